@@ -1,0 +1,93 @@
+"""Benchmark: header-only audit against loading the U-Net with diffusers and counting.
+
+Writes a full-size SD 1.5 U-Net (random fp16 weights, original single-file layout, ~1.7 GB) into a
+temporary folder, then times both ways of counting it in one run and prints the ratio.
+Target: header-only at least 200x faster, reading under 1 MB of the file.
+
+    python scripts/bench_audit.py [--repeats 5] [--keep DIR]
+"""
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from importlib import resources
+from pathlib import Path
+
+import torch
+from diffusers import UNet2DConditionModel
+from safetensors.torch import save_file
+
+from sdkit.audit import audit
+from sdkit.loading import ORIGINAL_UNET_PREFIX, diffusers_to_original_names, module_index
+from sdkit.presets import build_unet, preset_config
+
+
+def bytes_read_by_process() -> int:
+    # rchar: bytes this process asked read() for, page cache or not.
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise RuntimeError("no rchar in /proc/self/io")
+
+
+def write_checkpoint(path: Path) -> int:
+    unet = build_unet(preset_config("sd15"), weights="meta")
+    shapes = module_index(unet)
+    names = diffusers_to_original_names(shapes, unet.config.layers_per_block)
+    generator = torch.Generator().manual_seed(0)
+    tensors = {ORIGINAL_UNET_PREFIX + names[n]: torch.randn(info.shape, generator=generator).half()
+               for n, info in shapes.items()}  # fmt: skip
+    save_file(tensors, str(path))
+    return path.stat().st_size
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--keep", type=Path, help="write the checkpoint here and keep it")
+    args = parser.parse_args()
+    os.environ["HF_HUB_OFFLINE"] = "1"
+
+    folder = args.keep or Path(tempfile.mkdtemp(prefix="sdkit-bench-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "sd15-random-fp16.safetensors"
+    if not path.exists():
+        t = time.perf_counter()
+        size = write_checkpoint(path)
+        print(f"wrote {path} ({size / 1e9:.2f} GB) in {time.perf_counter() - t:.1f} s")
+    size = path.stat().st_size
+
+    header_times, header_bytes = [], []
+    for _ in range(args.repeats):
+        before = bytes_read_by_process()
+        t = time.perf_counter()
+        result = audit(path)
+        header_times.append(time.perf_counter() - t)
+        header_bytes.append(bytes_read_by_process() - before)
+
+    config_dir = str(resources.files("sdkit._configs").joinpath("sd15"))
+    load_times = []
+    for _ in range(max(1, args.repeats // 2)):
+        t = time.perf_counter()
+        unet = UNet2DConditionModel.from_single_file(str(path), config=config_dir, local_files_only=True)
+        loaded_total = sum(p.numel() for p in unet.parameters())
+        load_times.append(time.perf_counter() - t)
+        del unet
+
+    header_s, load_s = statistics.median(header_times), statistics.median(load_times)
+    assert result.total == loaded_total == 859_520_964, (result.total, loaded_total)
+    print(f"checkpoint: {size:,} bytes, {result.total:,} parameters counted both ways")
+    print(f"header-only audit:              {header_s * 1e3:8.1f} ms  (median of {len(header_times)}), "
+          f"read {max(header_bytes):,} bytes of the file")  # fmt: skip
+    print(f"diffusers from_single_file+count: {load_s * 1e3:8.1f} ms  (median of {len(load_times)})")
+    print(f"ratio: header-only is {load_s / header_s:,.0f}x faster "
+          f"(target >= 200x), reads {max(header_bytes) / 2**20:.3f} MiB (target < 1 MiB)")  # fmt: skip
+    if not args.keep:
+        path.unlink()
+        folder.rmdir()
+
+
+if __name__ == "__main__":
+    main()

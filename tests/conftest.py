@@ -1,0 +1,30 @@
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from sdkit.presets import build_unet, preset_config  # noqa: E402
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny_unet():
+    """The tiny preset with diffusers' random initialisation (seed 0)."""
+    return build_unet(preset_config("tiny"), weights="random", seed=0)
+
+
+@pytest.fixture
+def cli(capsys):
+    """Run `sdkit ARGV` in-process; return (exit code, stdout, stderr)."""
+    from sdkit.cli import main
+
+    def run(*argv):
+        code = main([str(a) for a in argv])
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return run

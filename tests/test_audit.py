@@ -1,0 +1,227 @@
+import json
+
+import pytest
+import torch
+from diffusers.loaders.single_file_utils import convert_ldm_unet_checkpoint
+
+from sdkit.audit import ROLES, audit, audit_module, parameter_role, text_width_swap
+from sdkit.loading import (
+    ORIGINAL_UNET_PREFIX,
+    diffusers_to_original_names,
+    index_checkpoint,
+    load_unet,
+    module_index,
+    save_single_file,
+)
+from sdkit.presets import PRESETS, build_unet, preset_config
+
+SD15_TOTAL = 859_520_964
+
+
+def test_sd15_attention_blocks_are_mostly_mlp():
+    a = audit("sd15")
+    assert a.total == SD15_TOTAL
+    b = a.attention_blocks
+    assert b["count"] == 16
+    assert b["total"] == 267_239_360
+    assert b["mlp"] == 148_797_120
+    assert b["self_attention"] == 49_574_080
+    assert b["cross_attention"] == 43_962_560
+    assert round(100 * b["mlp_share"], 1) == 55.7
+    assert b["total"] == b["mlp"] + b["self_attention"] + b["cross_attention"] + b["norm"] + b["proj"]
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_roles_and_levels_sum_to_the_total(name):
+    a = audit(name)
+    unet = build_unet(preset_config(name))
+    assert a.total == sum(p.numel() for p in unet.parameters())
+    assert sum(a.roles.values()) == a.total
+    assert a.roles["other"] == 0
+    assert sum(level["total"] for level in a.levels) == a.total
+    for role in ROLES:
+        assert sum(level["roles"][role] for level in a.levels) == a.roles[role]
+
+
+def test_published_unet_sizes():
+    # Published sizes of the real U-Nets: SD 2.x 865,910,724; SDXL base 2,567,463,684.
+    assert audit("sd21").total == 865_910_724
+    assert audit("sdxl").total == 2_567_463_684
+    for name, published in [("sd21", 865_910_724), ("sdxl", 2_567_463_684)]:
+        assert build_unet(preset_config(name)).num_parameters() == published
+    assert audit("sdxl").roles["time_embedding"] > audit("sd15").roles["time_embedding"]  # add_embedding counted
+
+
+def test_head_count_changes_no_parameter():
+    one_head = {**preset_config("sd15"), "attention_head_dim": 1}
+    unet = build_unet(one_head)
+    attn = unet.down_blocks[2].attentions[0].transformer_blocks[0].attn1
+    assert (attn.heads, attn.inner_dim // attn.heads) == (1, 1280)
+    assert audit_module(unet).total == SD15_TOTAL
+    assert audit_module(unet).roles == audit("sd15").roles
+
+
+def test_text_width_1024_changes_only_attn2_key_value():
+    wide = build_unet({**preset_config("sd15"), "cross_attention_dim": 1024})
+    assert audit_module(wide).total == 865_910_724
+    before, after = index_checkpoint("sd15").unet, module_index(wide)
+    differ = {n for n in before if before[n].shape != after[n].shape}
+    assert len(differ) == 32
+    assert all(n.endswith(("attn2.to_k.weight", "attn2.to_v.weight")) for n in differ)
+    swap = text_width_swap(before, 1024)
+    assert {c["name"] for c in swap["changed"]} == differ
+    assert swap["parameter_change"] == 6_389_760
+    assert swap["total_after"] == 865_910_724
+    assert swap["linear_adapter_parameters"] == 787_200
+    assert all(after[c["name"]].shape == tuple(c["new_shape"]) for c in swap["changed"])
+
+
+def test_cli_audit_json(cli):
+    code, out, err = cli("audit", "sd15", "--json", "--context-dim", "1024")
+    assert code == 0
+    data = json.loads(out)
+    assert data["total"] == SD15_TOTAL
+    assert data["attention_blocks"]["mlp"] == 148_797_120
+    assert data["text_width_swap"]["parameter_change"] == 6_389_760
+    assert [lv["name"] for lv in data["levels"]] == ["stem", "down.0", "down.1", "down.2", "down.3", "mid",
+                                                      "up.0", "up.1", "up.2", "up.3"]  # fmt: skip
+    assert [lv["latent_side"] for lv in data["levels"]] == [64, 64, 32, 16, 8, 8, 8, 16, 32, 64]
+
+
+def test_cli_audit_table(cli):
+    code, out, _ = cli("audit", "sd15")
+    assert code == 0
+    assert "859,520,964" in out and "55.7 %" in out
+
+
+@pytest.mark.parametrize(
+    "name, role",
+    [
+        ("down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.weight", "self_attention"),
+        ("down_blocks.0.attentions.0.transformer_blocks.0.attn2.to_q.weight", "cross_attention.query"),
+        ("up_blocks.1.attentions.2.transformer_blocks.0.attn2.to_v.weight", "cross_attention.key_value"),
+        ("mid_block.attentions.0.transformer_blocks.0.attn2.to_out.0.bias", "cross_attention.output"),
+        ("mid_block.attentions.0.transformer_blocks.0.ff.net.0.proj.weight", "mlp"),
+        ("mid_block.attentions.0.transformer_blocks.0.norm3.weight", "norm"),
+        ("mid_block.attentions.0.norm.bias", "norm"),
+        ("up_blocks.3.attentions.0.proj_out.weight", "proj"),
+        ("mid_block.resnets.1.conv_shortcut.weight", "resnet"),
+        ("up_blocks.0.upsamplers.0.conv.weight", "sampler"),
+        ("add_embedding.linear_1.weight", "time_embedding"),
+        ("conv_norm_out.weight", "io"),
+    ],
+)
+def test_parameter_roles(name, role):
+    assert parameter_role(name) == role
+
+
+# --- checkpoints in both layouts, counted from the header and from the module ------------------
+
+
+def _original_state_dict(unet, state=None):
+    state = state or unet.state_dict()
+    names = diffusers_to_original_names(state, unet.config.layers_per_block)
+    return {ORIGINAL_UNET_PREFIX + names[k]: v for k, v in state.items()}
+
+
+@pytest.mark.parametrize("preset", ["tiny", "sdxl"])
+def test_original_names_match_diffusers_converter(preset):
+    unet = build_unet(preset_config(preset))
+    state = unet.state_dict()
+    back = convert_ldm_unet_checkpoint(_original_state_dict(unet, state), dict(unet.config))
+    assert set(back) == set(state)
+    assert all(back[k] is v for k, v in state.items())
+
+
+def test_original_names_are_the_compvis_names():
+    names = set(_original_state_dict(build_unet(preset_config("sd15"))))
+    for key in [
+        "time_embed.0.weight", "input_blocks.0.0.weight", "input_blocks.1.0.in_layers.2.weight",
+        "input_blocks.1.1.transformer_blocks.0.attn2.to_k.weight", "input_blocks.3.0.op.weight",
+        "input_blocks.4.0.skip_connection.weight", "middle_block.1.proj_in.weight",
+        "middle_block.2.emb_layers.1.weight", "output_blocks.2.1.conv.weight",
+        "output_blocks.5.2.conv.weight", "output_blocks.11.1.transformer_blocks.0.ff.net.2.bias",
+        "out.0.weight", "out.2.bias",
+    ]:  # fmt: skip
+        assert ORIGINAL_UNET_PREFIX + key in names
+
+
+@pytest.fixture(scope="module")
+def tiny_files(tmp_path_factory, tiny_unet):
+    """The tiny U-Net as an original-layout single file with a VAE and text encoder beside it,
+    as a bare diffusers-layout file, and as a diffusers pipeline folder."""
+    root = tmp_path_factory.mktemp("ckpt")
+    torch.manual_seed(1)
+    extra = {"first_stage_model.decoder.conv_in.weight": torch.randn(8, 4, 3, 3).half(),
+             "cond_stage_model.transformer.text_model.final_layer_norm.weight": torch.randn(768)}  # fmt: skip
+    save_single_file(tiny_unet, root / "original.safetensors", extra=extra)
+    save_single_file(tiny_unet, root / "diffusers.safetensors", layout="diffusers")
+    tiny_unet.save_pretrained(root / "pipeline" / "unet")
+    torch.save({"state_dict": _original_state_dict(tiny_unet)}, root / "original.ckpt")
+    return root
+
+
+@pytest.mark.parametrize("name", ["original.safetensors", "diffusers.safetensors", "pipeline"])
+def test_header_counts_equal_module_counts(tiny_files, tiny_unet, name):
+    from_header = audit(tiny_files / name)
+    from_module = audit_module(load_unet(tiny_files / name))
+    assert from_header.bytes_read < 200_000
+    for a in (from_header, from_module):
+        assert a.total == 4_494_500
+        assert a.roles == audit_module(tiny_unet).roles
+        assert a.levels == audit_module(tiny_unet).levels
+        assert a.attention_blocks == audit_module(tiny_unet).attention_blocks
+
+
+def test_single_file_components(tiny_files):
+    a = audit(tiny_files / "original.safetensors")
+    assert a.layout == "original"
+    assert a.components["unet"] == {"params": 4_494_500, "bytes": 4 * 4_494_500, "dtypes": {"F32": 4_494_500}}
+    assert a.components["vae"] == {"params": 288, "bytes": 576, "dtypes": {"F16": 288}}
+    assert a.components["text_encoder"]["params"] == 768
+
+
+@pytest.mark.parametrize("name", ["original.safetensors", "diffusers.safetensors", "pipeline", "original.ckpt"])
+def test_loaded_unet_is_the_saved_one(tiny_files, tiny_unet, name):
+    loaded = load_unet(tiny_files / name, allow_pickle=True)
+    torch.manual_seed(0)
+    x, text = torch.randn(1, 4, 16, 16), torch.randn(1, 5, 768)
+    with torch.no_grad():
+        assert torch.equal(loaded(x, 10, text).sample, tiny_unet(x, 10, text).sample)
+
+
+def test_pickle_needs_the_flag(tiny_files, cli):
+    code, _, err = cli("audit", tiny_files / "original.ckpt")
+    assert code == 2 and "--allow-pickle" in err
+    code, out, _ = cli("audit", tiny_files / "original.ckpt", "--allow-pickle", "--json")
+    assert code == 0 and json.loads(out)["total"] == 4_494_500
+
+
+def _bad_inputs(root, good):
+    data = good.read_bytes()
+    (root / "short.safetensors").write_bytes(data[:-100])
+    (root / "garbage.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    broken = bytearray(data)
+    broken[8:30] = b"[" * 22
+    (root / "corrupt.safetensors").write_bytes(bytes(broken))
+    from safetensors.torch import save_file
+
+    save_file({"first_stage_model.encoder.conv_in.weight": torch.zeros(2, 2)}, root / "vae_only.safetensors")
+    return {
+        "missing.safetensors": "no such file",
+        "short.safetensors": "truncated",
+        "garbage.safetensors": "corrupt safetensors header",
+        "corrupt.safetensors": "corrupt safetensors header",
+        "vae_only.safetensors": "no U-Net",
+        "sd99": "no such file or folder",
+    }
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path, tiny_files, cli):
+    for name, message in _bad_inputs(tmp_path, tiny_files / "original.safetensors").items():
+        target = name if name == "sd99" else tmp_path / name
+        code, out, err = cli("audit", target)
+        assert code == 2, name
+        assert message in err, (name, err)
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+        assert str(target) in err

@@ -1,0 +1,1 @@
+"""Preset U-Net configs, shipped inside the package as sdkit._configs (see pyproject.toml)."""
