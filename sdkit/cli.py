@@ -35,6 +35,38 @@ def cmd_audit(args) -> None:
         print(format_audit(result))
 
 
+def cmd_scoretable(args) -> None:
+    from tqdm import tqdm
+
+    from .scoretable import (format_measurements, format_score_tables, measure, plot, resolve_device,
+                             score_tables)  # fmt: skip
+
+    height = args.height or args.size
+    tables = score_tables(height, args.width or height, args.preset, args.dtype, args.batch, args.cfg)
+    measured = []
+    if args.measure:
+        finest = tables.levels[0]
+        device = resolve_device(args.device)
+        dtype = args.measure_dtype or ("float16" if device.startswith("cuda") else "float32")
+        implementations = args.implementations.split(",")
+        with tqdm(total=len(implementations), desc="measuring", unit="impl", leave=False) as bar:
+            measured = measure(args.tokens or finest.tokens, args.heads or finest.heads,
+                               args.head_dim or finest.head_dim, dtype, device, implementations,
+                               args.chunk_budget, args.budget, args.repeats, progress=bar)  # fmt: skip
+    if args.plot:
+        plot(tables, measured, args.plot, args.chunk_budget)
+    if args.json:
+        from dataclasses import asdict
+
+        _emit_json({**tables.to_json(), "measured": [asdict(m) for m in measured]}, args.json)
+    if args.json != "-":
+        print(format_score_tables(tables))
+        if measured:
+            print("\n" + format_measurements(measured))
+        if args.plot:
+            print(f"\nwrote {args.plot}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sdkit", description=__doc__.split("\n")[0].removesuffix("."))
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -51,6 +83,32 @@ def build_parser() -> argparse.ArgumentParser:
                    help="read .ckpt/.bin/.pt files (with torch.load(weights_only=True))")  # fmt: skip
     _add_json(p)
     p.set_defaults(func=cmd_audit)
+
+    from .common import parse_bytes
+
+    p = sub.add_parser("scoretable", help="score-table sizes: the latent grid against pixel-level attention",
+                       description="Exact self-attention score-table sizes per U-Net level and for a pixel-level "
+                                   "model; with --measure, one attention run naive, chunked and with SDPA.")  # fmt: skip
+    p.add_argument("--size", type=int, default=512, help="square image side in pixels (default 512)")
+    p.add_argument("--height", type=int, help="image height (with --width, for non-square images)")
+    p.add_argument("--width", type=int, help="image width")
+    p.add_argument("--preset", default="sd15", help="U-Net whose levels, heads and head sizes to use (default sd15)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--cfg", action="store_true", help="classifier-free guidance (doubles the batch)")
+    p.add_argument("--dtype", default="float16", help="dtype of the analytic tables (default float16)")
+    p.add_argument("--measure", action="store_true", help="also run one self-attention and measure it")
+    p.add_argument("--tokens", type=int, help="tokens to measure at (default: the finest latent level)")
+    p.add_argument("--heads", type=int, help="heads to measure with (default: the finest level's)")
+    p.add_argument("--head-dim", type=int, help="head size to measure with (default: the finest level's)")
+    p.add_argument("--measure-dtype", help="dtype to measure in (default float16 on CUDA, float32 on CPU)")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
+    p.add_argument("--implementations", default="naive,chunked,sdpa", help="comma-separated subset")
+    p.add_argument("--budget", type=parse_bytes, help="memory to allow (default: what the device has free)")
+    p.add_argument("--chunk-budget", type=parse_bytes, default="64MiB", help="scores per chunk (default 64MiB)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per implementation (median reported)")
+    p.add_argument("--plot", metavar="FILE.png", help="draw tokens against bytes, log-log")
+    _add_json(p)
+    p.set_defaults(func=cmd_scoretable)
     return parser
 
 

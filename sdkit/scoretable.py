@@ -1,0 +1,496 @@
+"""Score-table sizes: the latent grid against pixel-level attention, computed and measured.
+
+Self-attention over n cells builds an n x n table of scores per head. SD 1.x attends over a
+64x64 latent for a 512x512 image (4,096 cells); a model on pixels would attend over 262,144 cells.
+The analytic part reads heads and head sizes from a preset built on the meta device; the measured
+part runs one self-attention three ways (naive, query-chunked, PyTorch SDPA) and records time,
+peak memory and agreement.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .common import SdkitError, format_bytes, format_table
+
+VAE_FACTOR = 8
+SWEEP_SIZES = (256, 512, 768, 1024, 2048)
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+IMPLEMENTATIONS = ("naive", "chunked", "sdpa")
+DEFAULT_CHUNK_BUDGET = 64 * 2**20  # bytes of scores per chunk
+
+
+@dataclass
+class Level:
+    """One resolution of the U-Net's self-attention (or the pixel grid)."""
+
+    name: str
+    grid: tuple[int, int]
+    tokens: int
+    heads: int
+    head_dim: int
+    layers: int  # self-attention layers that run at this resolution
+    entries_per_head: int
+    bytes_per_head: int
+    bytes_all_heads: int  # one layer: heads x effective batch
+
+
+@dataclass
+class ScoreTables:
+    height: int
+    width: int
+    preset: str
+    dtype: str
+    batch: int
+    cfg: bool
+    levels: list[Level]
+    pixel: Level
+    sweep: list[dict]
+
+    @property
+    def effective_batch(self) -> int:
+        return self.batch * (2 if self.cfg else 1)
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data["effective_batch"] = self.effective_batch
+        finest = self.levels[0]
+        data["pixel_over_latent"] = {
+            "tokens": self.pixel.tokens / finest.tokens,
+            "entries": self.pixel.entries_per_head / finest.entries_per_head,
+        }
+        return data
+
+
+def element_size(dtype: str) -> int:
+    return torch.empty((), dtype=DTYPES[dtype]).element_size()
+
+
+def table_bytes(tokens: int, dtype: str, heads: int = 1, batch: int = 1, query_tokens: int | None = None) -> int:
+    """Bytes of a materialised score table: batch x heads x query_tokens x tokens elements."""
+    return batch * heads * (tokens if query_tokens is None else query_tokens) * tokens * element_size(dtype)
+
+
+def self_attention_levels(preset: str) -> list[dict]:
+    """Per U-Net depth: heads, head size and how many self-attention layers run there."""
+    # Imported here: the CPU measurement children import this module and need only torch.
+    from .audit import parameter_level
+    from .presets import build_unet, preset_config
+
+    config = preset_config(preset)
+    unet = build_unet(config, weights="meta")
+    depth_count = len(config["block_out_channels"])
+    by_depth: dict[int, dict] = {}
+    for name, module in unet.named_modules():
+        if not name.endswith(".attn1"):
+            continue
+        level = parameter_level(name)
+        if level == "mid":
+            depth = depth_count - 1
+        else:
+            kind, index = level.split(".")
+            depth = int(index) if kind == "down" else depth_count - 1 - int(index)
+        entry = by_depth.setdefault(depth, {"depth": depth, "heads": module.heads,
+                                            "head_dim": module.inner_dim // module.heads, "layers": 0})  # fmt: skip
+        entry["layers"] += 1
+    return [by_depth[d] for d in sorted(by_depth)]
+
+
+def latent_grid(height: int, width: int, depth: int) -> tuple[int, int]:
+    h, w = height // VAE_FACTOR, width // VAE_FACTOR
+    for _ in range(depth):  # stride-2 convs with padding 1 round up
+        h, w = -(-h // 2), -(-w // 2)
+    return h, w
+
+
+def score_tables(height: int = 512, width: int | None = None, preset: str = "sd15", dtype: str = "float16",
+                 batch: int = 1, cfg: bool = False) -> ScoreTables:  # fmt: skip
+    """Exact score-table sizes per self-attention level, for pixels, and over a size sweep."""
+    width = width or height
+    if height <= 0 or width <= 0 or height % VAE_FACTOR or width % VAE_FACTOR:
+        raise SdkitError(f"image size {height}x{width}: both sides must be positive multiples of {VAE_FACTOR}")
+    if dtype not in DTYPES:
+        raise SdkitError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if batch < 1:
+        raise SdkitError(f"batch must be at least 1, not {batch}")
+    effective = batch * (2 if cfg else 1)
+
+    def level(name, grid, heads, head_dim, layers) -> Level:
+        tokens = grid[0] * grid[1]
+        per_head = table_bytes(tokens, dtype)
+        return Level(name, grid, tokens, heads, head_dim, layers, tokens * tokens, per_head, per_head * heads * effective)
+
+    levels = []
+    for info in self_attention_levels(preset):
+        grid = latent_grid(height, width, info["depth"])
+        levels.append(level(f"latent {grid[0]}x{grid[1]}", grid, info["heads"], info["head_dim"], info["layers"]))
+    finest = levels[0]
+    pixel = level(f"pixel {height}x{width}", (height, width), finest.heads, finest.head_dim, 0)
+
+    sweep = []
+    base = (512 // VAE_FACTOR) ** 2
+    for size in SWEEP_SIZES:
+        tokens = (size // VAE_FACTOR) ** 2
+        sweep.append({
+            "size": size, "tokens": tokens, "entries_per_head": tokens**2,
+            "bytes_per_head": table_bytes(tokens, dtype),
+            "pixel_tokens": size * size, "pixel_bytes_per_head": table_bytes(size * size, dtype),
+            "cells_vs_512": tokens / base, "table_vs_512": tokens**2 / base**2,
+        })  # fmt: skip
+    return ScoreTables(height, width, preset, dtype, batch, cfg, levels, pixel, sweep)
+
+
+def format_score_tables(t: ScoreTables) -> str:
+    rows = [[lv.name, lv.tokens, lv.heads, lv.head_dim, lv.layers or "-", lv.entries_per_head,
+             format_bytes(lv.bytes_per_head), format_bytes(lv.bytes_all_heads)] for lv in [*t.levels, t.pixel]]  # fmt: skip
+    batch = f"batch {t.batch}" + (" x2 for classifier-free guidance" if t.cfg else "")
+    out = [format_table(
+        ["level", "tokens", "heads", "head dim", "layers", "scores per head", "per head", "all heads"], rows,
+        title=f"Self-attention score tables for a {t.height}x{t.width} image ({t.preset}, {t.dtype}, {batch}; "
+              f"one layer; 'all heads' = heads x batch)",
+    )]  # fmt: skip
+    finest = t.levels[0]
+    out.append(
+        f"\nPixel level vs the finest latent level: {t.pixel.tokens / finest.tokens:,.0f}x the cells, "
+        f"{t.pixel.entries_per_head / finest.entries_per_head:,.0f}x the scores per head "
+        f"({t.pixel.entries_per_head:,} vs {finest.entries_per_head:,})."
+    )
+    rows = [[s["size"], s["tokens"], s["entries_per_head"], format_bytes(s["bytes_per_head"]),
+             f"{s['cells_vs_512']:g}x", f"{s['table_vs_512']:g}x", format_bytes(s["pixel_bytes_per_head"])]
+            for s in t.sweep]  # fmt: skip
+    out.append("\n" + format_table(
+        ["image", "latent tokens", "scores per head", "per head", "cells vs 512", "table vs 512", "pixel per head"],
+        rows, title="Size sweep (finest latent level; doubling the side gives 4x the cells and 16x the table)",
+    ))  # fmt: skip
+    return "\n".join(out)
+
+
+# --- the three implementations ----------------------------------------------------------------
+
+
+def attention_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """The score table softmax(q k^T / sqrt(d)) for q, k of shape (..., tokens, head_dim).
+
+    Softmax is done in place, so exactly one table of q.shape[-2] x k.shape[-2] per head exists.
+    """
+    scores = q @ k.transpose(-1, -2)
+    scores.mul_(q.shape[-1] ** -0.5)
+    scores.sub_(scores.amax(dim=-1, keepdim=True))
+    scores.exp_()
+    scores.div_(scores.sum(dim=-1, keepdim=True))
+    return scores
+
+
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return attention_scores(q, k) @ v
+
+
+def chunk_rows(tokens: int, heads: int, dtype: str, budget_bytes: int) -> int:
+    """Query rows per chunk so that one chunk's scores fit in budget_bytes."""
+    return max(1, min(tokens, budget_bytes // table_bytes(tokens, dtype, heads=heads, query_tokens=1)))
+
+
+def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int) -> torch.Tensor:
+    """Attention over blocks of query rows: each row's softmax only needs its own scores."""
+    out = torch.empty_like(q)
+    for start in range(0, q.shape[-2], rows):
+        out[..., start : start + rows, :] = attention_scores(q[..., start : start + rows, :], k) @ v
+    return out
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v)
+
+
+def run_implementation(name: str, q, k, v, rows: int) -> torch.Tensor:
+    if name == "naive":
+        return naive_attention(q, k, v)
+    if name == "chunked":
+        return chunked_attention(q, k, v, rows)
+    if name == "sdpa":
+        return sdpa_attention(q, k, v)
+    raise ValueError(f"unknown implementation {name!r}")
+
+
+def sdpa_backend(q, k, v) -> str:
+    """The kernel scaled_dot_product_attention picks for these inputs (flash, efficient, math, ...).
+
+    torch._fused_sdp_choice is the function SDPA's own dispatch calls to choose.
+    """
+    from torch.nn.attention import SDPBackend
+
+    return SDPBackend(torch._fused_sdp_choice(q, k, v)).name.lower()
+
+
+# --- measuring ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Measurement:
+    implementation: str
+    tokens: int
+    heads: int
+    head_dim: int
+    dtype: str
+    device: str
+    predicted_bytes: int  # peak above the baseline: inputs, output and the largest score block
+    peak_bytes: int | None = None
+    median_seconds: float | None = None
+    max_rel_diff: float | None = None  # against the reference (naive when it ran); see relative_difference
+    reference: bool = False  # the output the others are compared with
+    chunk_rows: int | None = None
+    backend: str | None = None
+    skipped: str | None = None
+    memory_method: str = ""
+
+
+def relative_difference(out: torch.Tensor, reference: torch.Tensor) -> float:
+    """max |out - reference| / max |reference|: rounding-sized when two attentions agree."""
+    return float((out.float() - reference.float()).abs().max() / reference.float().abs().max())
+
+
+def largest_tokens(implementation: str, heads: int, head_dim: int, dtype: str, available: int,
+                   rows: int | None = None, multiple: int = 1024) -> int:  # fmt: skip
+    """The most tokens (a multiple of `multiple`) whose predicted peak fits in `available` bytes."""
+    low, high = 0, 1
+    fits = lambda n: predicted_peak(implementation, n * multiple, heads, head_dim, dtype, rows or n * multiple) <= available  # noqa: E731
+    while fits(high):
+        low, high = high, high * 2
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low * multiple
+
+
+def predicted_peak(implementation: str, tokens: int, heads: int, head_dim: int, dtype: str, rows: int) -> int:
+    """Bytes an implementation holds at its peak: q, k, v and output, plus its score blocks.
+
+    SDPA's fused kernels keep O(tokens) statistics, not a table; we count only its tensors.
+    """
+    tensors = 4 * heads * tokens * head_dim * element_size(dtype)
+    if implementation == "naive":
+        return tensors + table_bytes(tokens, dtype, heads=heads)
+    if implementation == "chunked":
+        return tensors + table_bytes(tokens, dtype, heads=heads, query_tokens=rows)
+    return tensors
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SdkitError(f"device {device!r} asked for, but this machine has no CUDA device")
+    if device not in ("cpu",) and not device.startswith("cuda"):
+        raise SdkitError(f"unknown device {device!r}; use auto, cpu or cuda")
+    return device
+
+
+def free_bytes(device: str) -> int:
+    if device.startswith("cuda"):
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    meminfo = Path("/proc/meminfo").read_text()
+    return int(re.search(r"MemAvailable:\s+(\d+) kB", meminfo).group(1)) * 1024
+
+
+def _inputs(tokens: int, heads: int, head_dim: int, dtype: str, device: str, seed: int = 0):
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    qkv = [torch.randn(1, heads, tokens, head_dim, generator=generator).to(device=device, dtype=DTYPES[dtype])
+           for _ in range(3)]  # fmt: skip
+    return qkv
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def _proc_status_kib(field: str) -> int:
+    return int(re.search(rf"{field}:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1))
+
+
+def _measure_here(implementation: str, tokens: int, heads: int, head_dim: int, dtype: str, device: str,
+                  rows: int, repeats: int) -> tuple[torch.Tensor, int, float]:  # fmt: skip
+    """Run one implementation in this process: (output, peak bytes above baseline, median seconds).
+
+    On CUDA the peak comes from the caching allocator's statistics. On the CPU it is the process's
+    peak resident set (VmHWM, reset through /proc/self/clear_refs) above the resident set before
+    the inputs were made, so inputs and output count as the prediction counts them.
+    """
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.empty_cache()
+        baseline = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        Path("/proc/self/clear_refs").write_text("5")
+        baseline = _proc_status_kib("VmRSS") * 1024
+    q, k, v = _inputs(tokens, heads, head_dim, dtype, device)
+    out = run_implementation(implementation, q, k, v, rows)
+    _sync(device)
+    peak = (torch.cuda.max_memory_allocated(device) if cuda else _proc_status_kib("VmHWM") * 1024) - baseline
+    times = []
+    for _ in range(repeats):
+        del out
+        start = time.perf_counter()
+        out = run_implementation(implementation, q, k, v, rows)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return out, peak, statistics.median(times)
+
+
+def _measure_in_child(args: dict, out_path: str) -> dict:
+    """Measure on the CPU in a fresh interpreter, so the peak RSS is this run's alone."""
+    code = "import sys, json; from sdkit.scoretable import _child; _child(json.loads(sys.argv[1]), sys.argv[2])"
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(args), out_path], capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+        raise SdkitError(f"measuring {args['implementation']} at {args['tokens']:,} tokens failed: {tail}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _child(args: dict, out_path: str) -> None:
+    from safetensors.torch import save_file
+
+    out, peak, seconds = _measure_here(**args)
+    save_file({"out": out.float().cpu().contiguous()}, out_path)
+    print(json.dumps({"peak": peak, "seconds": seconds}))
+
+
+def measure(tokens: int, heads: int = 1, head_dim: int = 40, dtype: str = "float32", device: str = "auto",
+            implementations=IMPLEMENTATIONS, chunk_budget: int = DEFAULT_CHUNK_BUDGET, budget: int | None = None,
+            repeats: int = 3, progress=None) -> list[Measurement]:  # fmt: skip
+    """Measure each implementation of one self-attention at `tokens` cells.
+
+    Implementations whose predicted peak exceeds the free memory (or `budget`) are skipped with a
+    reason, never run into an out-of-memory kill. Differences are against naive when it ran,
+    else against the first implementation that ran.
+    """
+    device = resolve_device(device)
+    if dtype not in DTYPES:
+        raise SdkitError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    unknown = set(implementations) - set(IMPLEMENTATIONS)
+    if unknown:
+        raise SdkitError(f"unknown implementation {sorted(unknown)[0]!r}; choose from {', '.join(IMPLEMENTATIONS)}")
+    rows = chunk_rows(tokens, heads, dtype, chunk_budget)
+    cuda = device.startswith("cuda")
+    method = ("CUDA caching allocator: max_memory_allocated above the baseline" if cuda else
+              "peak resident set (VmHWM) of a fresh child process above its resident set before the inputs")  # fmt: skip
+    results, reference = [], None
+    with tempfile.TemporaryDirectory(prefix="sdkit-scoretable-") as tmp:
+        for name in implementations:
+            m = Measurement(name, tokens, heads, head_dim, dtype, device,
+                            predicted_peak(name, tokens, heads, head_dim, dtype, rows),
+                            chunk_rows=rows if name == "chunked" else None, memory_method=method)  # fmt: skip
+            available = free_bytes(device) if budget is None else budget
+            if m.predicted_bytes > available:
+                where = f"this device has {format_bytes(available)} free" if budget is None else \
+                    f"the budget is {format_bytes(available)}"  # fmt: skip
+                m.skipped = (f"{name} attention at {tokens:,} tokens needs {format_bytes(m.predicted_bytes)} for "
+                             f"{heads} {dtype} head{'s' if heads > 1 else ''}; {where}")  # fmt: skip
+                results.append(m)
+                if progress:
+                    progress.update(1)
+                continue
+            args = dict(implementation=name, tokens=tokens, heads=heads, head_dim=head_dim, dtype=dtype,
+                        device=device, rows=rows, repeats=repeats)  # fmt: skip
+            if cuda:
+                try:
+                    out, m.peak_bytes, m.median_seconds = _measure_here(**args)
+                except torch.cuda.OutOfMemoryError:
+                    torch.cuda.empty_cache()
+                    m.skipped = f"{name} attention at {tokens:,} tokens ran out of CUDA memory despite the preflight"
+                    results.append(m)
+                    continue
+                out = out.float().cpu()
+            else:
+                path = os.path.join(tmp, f"{name}.safetensors")
+                got = _measure_in_child(args, path)
+                m.peak_bytes, m.median_seconds = got["peak"], got["seconds"]
+                from safetensors.torch import load_file
+
+                out = load_file(path)["out"]
+            if name == "sdpa":
+                q, k, v = _inputs(min(tokens, 256), heads, head_dim, dtype, device)  # same kernel choice, cheap
+                m.backend = sdpa_backend(q, k, v)
+            if reference is None:
+                reference, m.reference = out, True
+            else:
+                m.max_rel_diff = relative_difference(out, reference)
+            del out
+            results.append(m)
+            if progress:
+                progress.update(1)
+    return results
+
+
+def format_measurements(ms: list[Measurement]) -> str:
+    rows = []
+    for m in ms:
+        if m.skipped:
+            rows.append([m.implementation, m.tokens, format_bytes(m.predicted_bytes), "skipped", "-", "-", "-"])
+            continue
+        ratio = m.peak_bytes / m.predicted_bytes if m.predicted_bytes else math.nan
+        rows.append([m.implementation + (f" ({m.chunk_rows} rows)" if m.chunk_rows else ""), m.tokens,
+                     format_bytes(m.predicted_bytes), format_bytes(m.peak_bytes), f"{ratio:.2f}",
+                     f"{m.median_seconds * 1e3:.1f}", "reference" if m.reference else f"{m.max_rel_diff:.1e}"])  # fmt: skip
+    first = ms[0]
+    title = (f"Measured: one self-attention, {first.heads} head{'s' if first.heads > 1 else ''} of {first.head_dim}, "
+             f"{first.dtype}, on {first.device}")  # fmt: skip
+    out = [format_table(["implementation", "tokens", "predicted", "peak", "peak/pred", "median ms", "rel diff"],
+                        rows, title=title)]  # fmt: skip
+    out += [f"  skipped: {m.skipped}" for m in ms if m.skipped]
+    out += [f"  sdpa ran {m.backend}" for m in ms if m.backend]
+    out.append(f"  peak memory: {first.memory_method}")
+    return "\n".join(out)
+
+
+def plot(tables: ScoreTables, measurements: list[Measurement], path: str | os.PathLike,
+         chunk_budget: int = DEFAULT_CHUNK_BUDGET) -> None:  # fmt: skip
+    """Tokens against bytes, log-log: analytic lines, measured points on them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .common import atomic_path
+
+    tokens = [2**e for e in range(8, 19)]
+    fig, ax = plt.subplots(figsize=(7, 5), dpi=120)
+    ax.loglog(tokens, [table_bytes(n, tables.dtype) for n in tokens], color="black",
+              label=f"score table, one {tables.dtype} head")  # fmt: skip
+    ran = [m for m in measurements if m.peak_bytes is not None]
+    if measurements:
+        m0 = measurements[0]
+        for (name, marker), color in zip((("naive", "o"), ("chunked", "s"), ("sdpa", "^")), ("C0", "C1", "C2")):
+            rows = [chunk_rows(n, m0.heads, m0.dtype, chunk_budget) for n in tokens]
+            ys = [predicted_peak(name, n, m0.heads, m0.head_dim, m0.dtype, r) for n, r in zip(tokens, rows)]
+            ax.loglog(tokens, ys, "--", color=color, alpha=0.7,
+                      label=f"{name}: predicted peak ({m0.heads}x{m0.head_dim}, {m0.dtype})")  # fmt: skip
+            pts = [(m.tokens, m.peak_bytes) for m in ran if m.implementation == name]
+            if pts:
+                ax.loglog(*zip(*pts), marker, color=color, markersize=8, label=f"{name}: measured on {m0.device}")
+    for level, label in ((tables.levels[0], "latent"), (tables.pixel, "pixel")):
+        ax.axvline(level.tokens, color="grey", lw=0.8)
+        ax.text(level.tokens, 0.02, f" {label} {level.grid[0]}x{level.grid[1]}", rotation=90, fontsize=8,
+                color="grey", transform=ax.get_xaxis_transform(), va="bottom", ha="right")  # fmt: skip
+    ax.set_xlabel("tokens (cells attended over)")
+    ax.set_ylabel("bytes")
+    ax.set_title(f"Self-attention memory against tokens ({tables.height}x{tables.width} image)")
+    ax.legend(fontsize=7)
+    ax.grid(True, which="both", alpha=0.2)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
+    plt.close(fig)

@@ -1,0 +1,136 @@
+import json
+
+import pytest
+import torch
+
+from sdkit.scoretable import (
+    attention_scores,
+    chunked_attention,
+    latent_grid,
+    largest_tokens,
+    measure,
+    naive_attention,
+    predicted_peak,
+    relative_difference,
+    score_tables,
+    sdpa_attention,
+    table_bytes,
+)
+
+
+def test_512_latent_against_pixel():
+    t = score_tables(512)
+    finest = t.levels[0]
+    assert (finest.tokens, finest.entries_per_head, finest.heads, finest.head_dim) == (4096, 16_777_216, 8, 40)
+    assert (t.pixel.tokens, t.pixel.entries_per_head) == (262_144, 68_719_476_736)
+    assert t.pixel.bytes_per_head == 128 * 2**30  # float16
+    assert [lv.tokens for lv in t.levels] == [4096, 1024, 256, 64]
+    assert [lv.layers for lv in t.levels] == [5, 5, 5, 1]  # 2 down + 3 up per level, 1 in the middle
+    assert [lv.head_dim for lv in t.levels] == [40, 80, 160, 160]
+
+
+def test_doubling_the_side_gives_16x_the_table():
+    sweep = {s["size"]: s for s in score_tables(512).sweep}
+    for small, big in [(256, 512), (512, 1024), (1024, 2048)]:
+        assert sweep[big]["tokens"] == 4 * sweep[small]["tokens"]
+        assert sweep[big]["entries_per_head"] == 16 * sweep[small]["entries_per_head"]
+    assert score_tables(1024).levels[0].entries_per_head == 16 * score_tables(512).levels[0].entries_per_head
+
+
+def test_batch_cfg_and_non_square():
+    t = score_tables(512, 768, batch=2, cfg=True, dtype="float32")
+    finest = t.levels[0]
+    assert finest.grid == (64, 96) and finest.tokens == 6144
+    assert finest.bytes_all_heads == 6144**2 * 4 * 8 * 4  # fp32, 8 heads, batch 2 x 2
+    assert latent_grid(520, 520, 3) == (9, 9)  # 65 -> 33 -> 17 -> 9: stride-2 convs round up
+    assert score_tables(512, preset="sd21").levels[0].heads == 5
+
+
+def test_sdxl_has_no_self_attention_at_the_finest_level():
+    t = score_tables(1024, preset="sdxl")
+    assert [lv.tokens for lv in t.levels] == [64 * 64, 32 * 32]
+    assert [lv.heads for lv in t.levels] == [10, 20]
+
+
+@pytest.mark.parametrize("grid", [(16, 16), (12, 20), (7, 9)])
+@pytest.mark.parametrize("rows", [1, 7, 64, 100, 1000])
+def test_chunked_equals_naive(grid, rows):
+    torch.manual_seed(0)
+    tokens = grid[0] * grid[1]
+    q, k, v = (torch.randn(2, 3, tokens, 40) for _ in range(3))
+    naive = naive_attention(q, k, v)
+    assert relative_difference(chunked_attention(q, k, v, rows), naive) <= 1e-5
+    assert relative_difference(sdpa_attention(q, k, v), naive) <= 1e-5
+    assert relative_difference(naive, torch.softmax(q @ k.transpose(-1, -2) / 40**0.5, -1) @ v) <= 1e-5
+
+
+def test_predicted_table_bytes_are_what_naive_builds():
+    for tokens, heads, dtype in [(256, 8, torch.float32), (100, 3, torch.float16), (64, 1, torch.bfloat16)]:
+        q = torch.randn(1, heads, tokens, 40).to(dtype)
+        table = attention_scores(q, q)
+        name = str(dtype).removeprefix("torch.")
+        assert table.numel() * table.element_size() == table_bytes(tokens, name, heads=heads)
+
+
+def test_softmax_mixes_it_never_picks():
+    q = torch.tensor([[1.0, 0.0]])
+    k = torch.tensor([[3.0, 0.0], [3.0, 0.0], [0.0, 0.0], [0.0, 0.0]]) * 2**0.5  # scores 3, 3, 0, 0 after 1/sqrt(2)
+    weights = attention_scores(q, k)[0]
+    assert torch.allclose(weights, torch.tensor([0.476, 0.476, 0.024, 0.024]), atol=5e-4)
+
+
+def test_largest_tokens_inverts_the_prediction():
+    available = 3 * 2**30
+    n = largest_tokens("naive", 1, 40, "float16", available)
+    assert predicted_peak("naive", n, 1, 40, "float16", n) <= available
+    assert predicted_peak("naive", n + 1024, 1, 40, "float16", n + 1024) > available
+
+
+def test_measure_on_cpu_skips_what_does_not_fit():
+    ms = measure(512, heads=2, head_dim=40, dtype="float32", device="cpu", budget=1_500_000, chunk_budget=2**16,
+                 repeats=1)  # fmt: skip
+    by = {m.implementation: m for m in ms}
+    assert by["naive"].skipped == ("naive attention at 512 tokens needs 2.6 MiB for 2 float32 heads; "
+                                   "the budget is 1.4 MiB")  # fmt: skip
+    assert by["naive"].peak_bytes is None
+    assert by["chunked"].chunk_rows == 16 and by["chunked"].peak_bytes > 0 and by["chunked"].reference
+    assert by["sdpa"].max_rel_diff <= 1e-5 and by["sdpa"].backend
+
+
+def test_measured_naive_peak_tracks_the_prediction():
+    (naive,) = measure(2048, heads=4, head_dim=40, dtype="float32", device="cpu", implementations=("naive",), repeats=1)
+    assert naive.predicted_bytes == 4 * 2048**2 * 4 + 4 * 4 * 2048 * 40 * 4
+    assert 0.9 <= naive.peak_bytes / naive.predicted_bytes <= 1.15
+
+
+def test_cli_scoretable(cli, tmp_path):
+    code, out, _ = cli("scoretable", "--size", "512", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert (data["levels"][0]["tokens"], data["levels"][0]["entries_per_head"]) == (4096, 16_777_216)
+    assert (data["pixel"]["tokens"], data["pixel"]["entries_per_head"]) == (262_144, 68_719_476_736)
+    code, out, _ = cli("scoretable")
+    assert code == 0 and "68,719,476,736" in out and "16,777,216" in out
+    png = tmp_path / "plot.png"
+    code, out, _ = cli("scoretable", "--measure", "--tokens", "256", "--heads", "1", "--repeats", "1", "--plot", png)
+    assert code == 0 and "sdpa ran" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    code, _, err = cli("scoretable", "--size", "500")
+    assert code == 2 and "multiples of 8" in err
+
+
+def test_gpu_script_logic_on_cpu(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "scripts" / "gpu_scoretable.py"
+    spec = importlib.util.spec_from_file_location("gpu_scoretable", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "gpu.json"
+    report = script.main(["--device", "cpu", "--latent-tokens", "256", "--pixel-tokens", "1024",
+                          "--budget", "16MiB", "--dtype", "float32", "--out", str(out)])  # fmt: skip
+    assert json.loads(out.read_text())["latent"][0]["tokens"] == 256
+    largest = report["largest_naive"][-1]
+    assert largest["peak_bytes"] and largest["predicted_bytes"] <= 0.9 * 16 * 2**20
+    assert {m["implementation"] for m in report["pixel"]} == {"sdpa", "chunked"}
