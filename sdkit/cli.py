@@ -67,6 +67,51 @@ def cmd_scoretable(args) -> None:
             print(f"\nwrote {args.plot}")
 
 
+def cmd_condition(args) -> None:
+    from tqdm import tqdm
+
+    from .conditioning import (check_width, compare_conditionings, format_comparison, prompt_conditionings,
+                               synthetic_conditionings, write_maps)  # fmt: skip
+    from .encoders import load_text_encoder
+    from .loading import load_unet
+    from .presets import PRESETS
+    from .scoretable import resolve_device
+
+    device = resolve_device(args.device)
+    unet = load_unet(args.unet, allow_pickle=args.allow_pickle).to(device)
+    note = "preset with RANDOM weights: the numbers show the mechanism, not what a trained model reads" \
+        if args.unet in PRESETS else ""  # fmt: skip
+    if args.text_encoder:
+        encoder = load_text_encoder(args.text_encoder, args.tokenizer, layer=args.layer)
+        conditioning = prompt_conditionings(encoder, args.prompt)
+    elif args.tokenizer:
+        raise SdkitError("--tokenizer needs --text-encoder (the tokenizer labels the encoder's tokens)")
+    else:
+        conditioning = synthetic_conditionings(unet.config.cross_attention_dim, seed=args.seed)
+    check_width(unet, conditioning)
+    sides = tuple(int(s) for s in args.map_sides.split(",")) if args.map_sides else None
+    with tqdm(total=len(conditioning.cases), desc="forward passes", unit="case", leave=False) as bar:
+        result = compare_conditionings(unet, conditioning, args.latent_size, args.timestep, args.seed,
+                                       maps=bool(args.maps), map_sides=sides, unet_name=args.unet, note=note,
+                                       progress=bar)  # fmt: skip
+    if args.maps:
+        paths = write_maps(result, conditioning, args.maps, shared_scale=args.shared_scale)
+    if args.json:
+        _emit_json(result.to_json(), args.json)
+    if args.json != "-":
+        print(format_comparison(result))
+        if args.maps:
+            print(f"\nwrote {len(paths)} PNG maps to {args.maps} (overview: {paths[-1]})")
+
+
+def _latent_size(text: str) -> tuple[int, int]:
+    h, _, w = text.lower().partition("x")
+    try:
+        return int(h), int(w or h)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a latent size: {text!r} (e.g. 64 or 64x96)") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sdkit", description=__doc__.split("\n")[0].removesuffix("."))
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -109,11 +154,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="FILE.png", help="draw tokens against bytes, log-log")
     _add_json(p)
     p.set_defaults(func=cmd_scoretable)
+
+    p = sub.add_parser("condition", help="single- vs multi-token conditioning, seen in the cross-attention",
+                       description="Run one U-Net, latent and timestep under single-token, repeated-token and "
+                                   "multi-token conditioning and trace every cross-attention layer.")  # fmt: skip
+    p.add_argument("--unet", default="tiny", help="preset (random weights), diffusers folder or checkpoint (default tiny)")
+    p.add_argument("--prompt", default="a photo of a red cat sitting on a blue chair")
+    p.add_argument("--text-encoder", metavar="DIR", help="local transformers text encoder (or SD pipeline folder)")
+    p.add_argument("--tokenizer", metavar="DIR", help="its tokenizer, when not beside it")
+    p.add_argument("--layer", default="last", help="text-encoder layer the U-Net reads: last (SD 1.x) or penultimate (SD 2.x)")
+    p.add_argument("--latent-size", type=_latent_size, help="latent grid, e.g. 64 or 64x96 (default: the U-Net's sample size)")
+    p.add_argument("--timestep", type=int, default=500)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--maps", metavar="DIR", help="write a PNG heatmap per word and an overview grid here")
+    p.add_argument("--shared-scale", action="store_true", help="one colour scale for all maps")
+    p.add_argument("--map-sides", help="only layers with these grid sides in the maps, e.g. 16,32")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
+    p.add_argument("--allow-pickle", action="store_true")
+    _add_json(p)
+    p.set_defaults(func=cmd_condition)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' per-load bars; ours stay
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .common import SdkitError, format_bytes, format_table
+from .common import SdkitError, format_bytes, format_table, peak_rss
 
 VAE_FACTOR = 8
 SWEEP_SIZES = (256, 512, 768, 1024, 2048)
@@ -317,30 +317,29 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
-def _proc_status_kib(field: str) -> int:
-    return int(re.search(rf"{field}:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1))
-
-
 def _measure_here(implementation: str, tokens: int, heads: int, head_dim: int, dtype: str, device: str,
                   rows: int, repeats: int) -> tuple[torch.Tensor, int, float]:  # fmt: skip
     """Run one implementation in this process: (output, peak bytes above baseline, median seconds).
 
-    On CUDA the peak comes from the caching allocator's statistics. On the CPU it is the process's
-    peak resident set (VmHWM, reset through /proc/self/clear_refs) above the resident set before
-    the inputs were made, so inputs and output count as the prediction counts them.
+    On CUDA the peak comes from the caching allocator's statistics; on the CPU it is the peak
+    resident set above the one before the inputs were made (see common.peak_rss), so inputs and
+    output count as the prediction counts them.
     """
-    cuda = device.startswith("cuda")
-    if cuda:
+
+    def first_run():
+        q, k, v = _inputs(tokens, heads, head_dim, dtype, device)
+        out = run_implementation(implementation, q, k, v, rows)
+        _sync(device)
+        return q, k, v, out
+
+    if device.startswith("cuda"):
         torch.cuda.empty_cache()
         baseline = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
+        q, k, v, out = first_run()
+        peak = torch.cuda.max_memory_allocated(device) - baseline
     else:
-        Path("/proc/self/clear_refs").write_text("5")
-        baseline = _proc_status_kib("VmRSS") * 1024
-    q, k, v = _inputs(tokens, heads, head_dim, dtype, device)
-    out = run_implementation(implementation, q, k, v, rows)
-    _sync(device)
-    peak = (torch.cuda.max_memory_allocated(device) if cuda else _proc_status_kib("VmHWM") * 1024) - baseline
+        (q, k, v, out), peak = peak_rss(first_run)
     times = []
     for _ in range(repeats):
         del out

@@ -1,6 +1,7 @@
 import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
@@ -28,3 +29,11 @@ def cli(capsys):
         return code, out.out, out.err
 
     return run
+
+
+@pytest.fixture(scope="session")
+def tiny_encoder_dir(tmp_path_factory):
+    """A CLIP-shaped text encoder of width 768 with the tiny tokenizer, as an SD pipeline folder."""
+    from sdkit.encoders import write_tiny_clip_encoder
+
+    return write_tiny_clip_encoder(tmp_path_factory.mktemp("enc768"), width=768, seed=0)

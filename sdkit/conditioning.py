@@ -1,0 +1,387 @@
+"""What the cross-attention reads: capture attn2 through diffusers' attention-processor API.
+
+    with CrossAttentionTrace(unet) as trace:
+        unet(latent, t, encoder_hidden_states=states)
+    trace.summary()        # per layer: spatial spread, entropy, effective tokens, mass per token
+
+In cross-attention the queries come from image cells and the keys/values from text tokens. With
+one token (or several identical ones) every cell receives the same vector; only distinct tokens
+let cells read differently. `compare_conditionings` shows this on any U-Net.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from diffusers.models.attention_processor import Attention, AttnProcessor, AttnProcessor2_0
+
+from .common import SdkitError, atomic_path, format_table
+from .encoders import ROLES, TextEncoder, TokenRoles, token_roles
+
+_HINTS = {
+    "SlicedAttnProcessor": "attention slicing is on; call pipe.disable_attention_slicing() first",
+    "XFormersAttnProcessor": "xformers is on; call pipe.disable_xformers_memory_efficient_attention() first",
+    "CaptureProcessor": "another CrossAttentionTrace is already active on this U-Net",
+}
+
+
+class CaptureProcessor:
+    """Wraps an attn2 layer's own processor: the layer's output is the original processor's, to the
+    bit; the attention weights are computed beside it (the fused kernels never materialise them)
+    and handed to the trace. With 77 text tokens that extra table is small.
+    """
+
+    def __init__(self, trace: CrossAttentionTrace, name: str, original):
+        self.trace, self.name, self.original = trace, name, original
+
+    def __call__(self, attn: Attention, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None,
+                 *args, **kwargs):  # fmt: skip
+        out = self.original(attn, hidden_states, encoder_hidden_states, attention_mask, temb, *args, **kwargs)
+        with torch.no_grad():
+            if attn.spatial_norm is not None:
+                hidden_states = attn.spatial_norm(hidden_states, temb)
+            if hidden_states.ndim == 4:
+                hidden_states = hidden_states.flatten(2).transpose(1, 2)
+            if attn.group_norm is not None:
+                hidden_states = attn.group_norm(hidden_states.transpose(1, 2)).transpose(1, 2)
+            context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+            if encoder_hidden_states is not None and attn.norm_cross:
+                context = attn.norm_encoder_hidden_states(context)
+            mask = attn.prepare_attention_mask(attention_mask, context.shape[1], context.shape[0])
+            query = attn.head_to_batch_dim(attn.to_q(hidden_states))
+            probs = attn.get_attention_scores(query, attn.head_to_batch_dim(attn.to_k(context)), mask)
+            mixed = torch.bmm(probs, attn.head_to_batch_dim(attn.to_v(context)))
+            self.trace._record(self.name, attn.heads, probs, mixed)
+        return out
+
+
+@dataclass
+class _LayerSums:
+    """Running sums for one layer; memory stays flat however many steps are traced."""
+
+    items: int = 0  # batch items seen (over calls)
+    spread: float = 0.0
+    entropy: float = 0.0
+    token_mass: torch.Tensor | None = None
+    map_sum: torch.Tensor | None = None  # (tokens, H, W) at the latent size
+    map_items: int = 0
+    grid: tuple[int, int] | None = None
+
+
+class CrossAttentionTrace:
+    """Context manager: capture statistics from every cross-attention (attn2) layer of a U-Net.
+
+    Per layer, streamed over calls: the spatial spread of the attention output
+    (||O - mean over cells of O|| / ||O||, on the mixed values before to_out), the attention
+    entropy per cell (and the effective number of tokens, exp(entropy)), and the attention mass
+    per token (mean over cells and heads). With `maps=True` also per-token maps, averaged over
+    heads and summed over layers and calls, upsampled to the latent size; `map_sides` keeps only
+    layers whose grid height is listed. With `cfg=True` only the conditional (second) half of each
+    batch is measured, as diffusers' pipelines put it there.
+
+    Self-attention keeps its processors (and fast path); on exit, every processor is the very
+    object it was before, also when the body raises.
+    """
+
+    def __init__(self, unet, cfg: bool = False, maps: bool = False, map_sides: tuple[int, ...] | None = None):
+        self.unet, self.cfg, self.maps, self.map_sides = unet, cfg, maps, map_sides
+        self.layers: dict[str, _LayerSums] = {}
+        self._original: dict | None = None
+        self._latent_size: tuple[int, int] | None = None
+        self._hook = None
+
+    def __enter__(self) -> CrossAttentionTrace:
+        original = self.unet.attn_processors
+        cross = [n for n in original if n.endswith("attn2.processor")]
+        if not cross:
+            raise SdkitError("this U-Net has no cross-attention (attn2) layers to capture")
+        for name in cross:
+            kind = type(original[name]).__name__
+            if not isinstance(original[name], (AttnProcessor, AttnProcessor2_0)):
+                hint = _HINTS.get(kind, "capture needs diffusers' default attention processors")
+                raise SdkitError(f"{name.removesuffix('.processor')} uses {kind}: {hint}")
+        self._original = original
+        replaced = dict(original)
+        for name in cross:
+            layer = name.removesuffix(".processor")
+            replaced[name] = CaptureProcessor(self, layer, original[name])
+            self.layers.setdefault(layer, _LayerSums())
+        self.unet.set_attn_processor(replaced)
+        self._hook = self.unet.register_forward_pre_hook(self._read_latent_size, with_kwargs=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hook.remove()
+        self.unet.set_attn_processor(dict(self._original))  # set_attn_processor consumes its dict
+        self._original = None
+
+    def _read_latent_size(self, module, args, kwargs):
+        sample = args[0] if args else kwargs["sample"]
+        self._latent_size = tuple(sample.shape[-2:])
+
+    def _grid(self, cells: int) -> tuple[int, int] | None:
+        h, w = self._latent_size or (0, 0)
+        while h * w > cells:  # stride-2 convs round up
+            h, w = -(-h // 2), -(-w // 2)
+        return (h, w) if h * w == cells else None
+
+    @torch.no_grad()
+    def _record(self, name: str, heads: int, probs: torch.Tensor, mixed: torch.Tensor) -> None:
+        batch_heads, cells, tokens = probs.shape
+        batch = batch_heads // heads
+        probs = probs.detach().view(batch, heads, cells, tokens)
+        mixed = mixed.detach().view(batch, heads, cells, -1)
+        if self.cfg:
+            if batch % 2:
+                raise SdkitError(f"cfg=True needs (unconditional, conditional) pairs, but {name} got a batch of {batch}")
+            probs, mixed = probs[batch // 2 :], mixed[batch // 2 :]
+        probs, mixed = probs.float(), mixed.float()
+        s = self.layers[name]
+        if s.token_mass is not None and s.token_mass.shape[0] != tokens:
+            raise SdkitError(f"{name}: the number of text tokens changed within one trace ({s.token_mass.shape[0]} -> {tokens})")
+        out = mixed.transpose(1, 2).flatten(2)  # (batch, cells, heads * head_dim), as to_out sees it
+        spread = (out - out.mean(dim=1, keepdim=True)).norm(dim=(1, 2)) / out.norm(dim=(1, 2)).clamp_min(1e-30)
+        s.spread += spread.sum().item()
+        s.entropy += torch.special.entr(probs).sum(-1).mean(dim=(1, 2)).sum().item()
+        mass = probs.mean(dim=(1, 2)).sum(0).cpu()
+        s.token_mass = mass if s.token_mass is None else s.token_mass + mass
+        s.items += probs.shape[0]
+        s.grid = s.grid or self._grid(cells)
+        if self.maps and s.grid and (self.map_sides is None or s.grid[0] in self.map_sides):
+            per_token = probs.mean(1).transpose(1, 2).reshape(probs.shape[0], tokens, *s.grid)
+            per_token = F.interpolate(per_token, size=self._latent_size, mode="bilinear", align_corners=False)
+            total = per_token.sum(0).cpu()
+            s.map_sum = total if s.map_sum is None else s.map_sum + total
+            s.map_items += probs.shape[0]
+
+    def summary(self) -> dict[str, dict]:
+        """Per layer: spatial_spread, entropy (nats), effective_tokens, token_mass (list), grid, calls."""
+        out = {}
+        for name, s in self.layers.items():
+            if not s.items:
+                raise SdkitError(f"{name}: no cross-attention call was captured (were the processors replaced?)")
+            entropy = s.entropy / s.items
+            out[name] = {
+                "spatial_spread": s.spread / s.items,
+                "entropy": entropy,
+                "effective_tokens": math.exp(entropy),
+                "token_mass": (s.token_mass / s.items).tolist(),
+                "grid": list(s.grid) if s.grid else None,
+                "items": s.items,
+            }
+        return out
+
+    def token_maps(self) -> torch.Tensor:
+        """(tokens, H, W) attention per token at the latent size, mean over the captured layers."""
+        sums = [s for s in self.layers.values() if s.map_sum is not None]
+        if not sums:
+            raise SdkitError("no maps were captured (maps=False, or no layer at the chosen sides)")
+        return sum(s.map_sum for s in sums) / sum(s.map_items for s in sums)
+
+
+# --- comparing conditionings ----------------------------------------------------------------------
+
+
+@dataclass
+class Conditioning:
+    """The conditionings to compare, built from one source of token states."""
+
+    cases: dict[str, torch.Tensor]  # name -> (1, tokens, width)
+    source: str
+    roles: TokenRoles | None = None
+    positions: dict[str, list[int]] = field(default_factory=dict)  # case -> positions of multi it keeps
+
+
+def synthetic_conditionings(width: int, tokens: int = 77, seed: int = 0) -> Conditioning:
+    """Distinct random token vectors (unit variance per coordinate, like CLIP's states)."""
+    generator = torch.Generator().manual_seed(seed)
+    multi = torch.randn(1, tokens, width, generator=generator)
+    single = multi[:, :1]
+    return Conditioning({"single": single, "repeated": single.repeat(1, tokens, 1), "multi": multi},
+                        f"{tokens} synthetic token vectors (seed {seed}; no text encoder given)")  # fmt: skip
+
+
+def prompt_conditionings(encoder: TextEncoder, prompt: str) -> Conditioning:
+    """Cases from a real encoder: multi (all positions), single / repeated (the EOS state, which
+    CLIP pools as the prompt's summary), bos_only and words_only."""
+    states = encoder.encode([prompt])
+    roles = token_roles(encoder.tokenizer, prompt, encoder.max_length)
+    eos = roles.roles.index("eos")
+    words = [p for p, r in enumerate(roles.roles) if r == "word"]
+    if not words:
+        raise SdkitError("the prompt has no words to compare (it is empty)")
+    single = states[:, eos : eos + 1]
+    cases = {"single": single, "repeated": single.repeat(1, states.shape[1], 1), "multi": states,
+             "bos_only": states[:, :1], "words_only": states[:, words]}  # fmt: skip
+    positions = {"multi": list(range(states.shape[1])), "bos_only": [0], "words_only": words}
+    return Conditioning(cases, f"{encoder.source} ({encoder.layer} layer) for {prompt!r}", roles, positions)
+
+
+@dataclass
+class Comparison:
+    unet: str
+    conditioning: str
+    latent_size: tuple[int, int]
+    timestep: int
+    cases: dict[str, dict]  # name -> {"tokens", "layers": {layer: stats}, "overall": {...}, roles / words}
+    maps: torch.Tensor | None = None  # multi case, (tokens, H, W)
+    note: str = ""  # e.g. that the weights are random
+
+    def to_json(self) -> dict:
+        return {"unet": self.unet, "note": self.note, "conditioning": self.conditioning,
+                "latent_size": list(self.latent_size), "timestep": self.timestep, "cases": self.cases}  # fmt: skip
+
+
+def check_width(unet, conditioning: Conditioning) -> None:
+    width = unet.config.cross_attention_dim
+    for states in conditioning.cases.values():
+        if states.shape[-1] != width:
+            raise SdkitError(f"text states are {states.shape[-1]} wide but the U-Net's cross-attention reads "
+                             f"{width}; an adapter can map one to the other (sdkit adapter)")  # fmt: skip
+
+
+def compare_conditionings(unet, conditioning: Conditioning, latent_size: tuple[int, int] | None = None,
+                          timestep: int = 500, seed: int = 0, maps: bool = False,
+                          map_sides: tuple[int, ...] | None = None, unet_name: str = "unet", note: str = "",
+                          progress=None) -> Comparison:  # fmt: skip
+    """Run the same U-Net, latent and timestep under each conditioning and trace attn2."""
+    check_width(unet, conditioning)
+    side = unet.config.sample_size
+    latent_size = tuple(latent_size or (side, side))
+    param = next(unet.parameters())
+    generator = torch.Generator().manual_seed(seed)
+    latent = torch.randn(1, unet.config.in_channels, *latent_size, generator=generator).to(param.device, param.dtype)
+    cases, token_maps = {}, None
+    for name, states in conditioning.cases.items():
+        want_maps = maps and name == "multi"
+        with torch.no_grad(), CrossAttentionTrace(unet, maps=want_maps, map_sides=map_sides) as trace:
+            unet(latent, timestep, encoder_hidden_states=states.to(param.device, param.dtype))
+        layers = trace.summary()
+        cases[name] = {"tokens": states.shape[1], "layers": layers, "overall": _overall(layers)}
+        if conditioning.roles is not None and name in conditioning.positions:
+            cases[name].update(_mass_by_role(cases[name]["overall"]["token_mass"], conditioning, name))
+        if want_maps:
+            token_maps = trace.token_maps()
+        if progress:
+            progress.update(1)
+    return Comparison(unet_name, conditioning.source, latent_size, timestep, cases, token_maps, note)
+
+
+def _overall(layers: dict[str, dict]) -> dict:
+    spreads = [v["spatial_spread"] for v in layers.values()]
+    n = len(layers)
+    mass = torch.tensor([v["token_mass"] for v in layers.values()]).mean(0)
+    entropy = sum(v["entropy"] for v in layers.values()) / n
+    return {"spatial_spread": sum(spreads) / n, "spatial_spread_min": min(spreads),
+            "spatial_spread_max": max(spreads), "entropy": entropy, "effective_tokens": math.exp(entropy),
+            "token_mass": mass.tolist()}  # fmt: skip
+
+
+def _mass_by_role(mass: list[float], conditioning: Conditioning, case: str) -> dict:
+    """Attention mass per role (bos / word / eos / padding) and per word, for a real prompt."""
+    roles = conditioning.roles
+    positions = conditioning.positions[case]  # position in the prompt of each token in this case
+    by_role: dict[str, float] = {}
+    by_position = dict(zip(positions, mass))
+    for position, m in by_position.items():
+        by_role[roles.roles[position]] = by_role.get(roles.roles[position], 0.0) + m
+    words = [{"word": word, "positions": ps, "mass": sum(by_position.get(p, 0.0) for p in ps)}
+             for word, ps in roles.words]  # fmt: skip
+    return {"mass_by_role": by_role, "mass_by_word": words}
+
+
+# --- output ---------------------------------------------------------------------------------------
+
+
+def short_layer_name(name: str) -> str:
+    """down_blocks.1.attentions.0.transformer_blocks.0.attn2 -> down1.a0.t0"""
+    name = re.sub(r"(down|up)_blocks\.(\d+)\.attentions\.(\d+)", r"\1\2.a\3", name)
+    name = name.replace("mid_block.attentions.0", "mid")
+    return re.sub(r"\.transformer_blocks\.(\d+)\.attn2$", r".t\1", name)
+
+
+def format_comparison(c: Comparison) -> str:
+    names = list(c.cases)
+    layers = list(next(iter(c.cases.values()))["layers"])
+    rows = [[short_layer_name(layer), "x".join(map(str, c.cases[names[0]]["layers"][layer]["grid"] or ["?"])),
+             *(c.cases[n]["layers"][layer]["spatial_spread"] for n in names)] for layer in layers]  # fmt: skip
+    out = [f"U-Net: {c.unet}{f' ({c.note})' if c.note else ''}; latent {c.latent_size[0]}x{c.latent_size[1]}, "
+           f"timestep {c.timestep}",
+           f"Text: {c.conditioning}", ""]  # fmt: skip
+    out.append(format_table(["layer", "grid", *names], rows,
+                            title="Spatial spread of the cross-attention output, ||O - mean_cells O|| / ||O|| "
+                                  "(0: every cell receives the same vector)"))  # fmt: skip
+    rows = [[n, v["tokens"], v["overall"]["spatial_spread"], v["overall"]["spatial_spread_min"],
+             v["overall"]["spatial_spread_max"], v["overall"]["entropy"], v["overall"]["effective_tokens"]]
+            for n, v in c.cases.items()]  # fmt: skip
+    out += ["", format_table(["case", "tokens", "spread", "min", "max", "entropy", "eff. tokens"], rows,
+                             title="Overall (mean over layers; entropy in nats per cell, eff. tokens = exp(entropy))")]  # fmt: skip
+    with_roles = [n for n, v in c.cases.items() if "mass_by_role" in v]
+    if with_roles:
+        rows = [[n, *(f"{100 * c.cases[n]['mass_by_role'].get(r, 0.0):.1f} %" for r in ROLES)] for n in with_roles]
+        out += ["", format_table(["case", *ROLES], rows, title="Attention mass by token role (mean over cells, heads, layers)")]
+        words = c.cases["multi"]["mass_by_word"]
+        rows = [[w["word"], len(w["positions"]), f"{100 * w['mass']:.2f} %"] for w in words]
+        out += ["", format_table(["word", "pieces", "mass"], rows, title="Attention mass per word (multi)")]
+    return "\n".join(out)
+
+
+def write_maps(c: Comparison, conditioning: Conditioning, folder, shared_scale: bool = False,
+               vae_factor: int = 8) -> list[Path]:  # fmt: skip
+    """One PNG heatmap per word (upsampled to the image) and an overview grid; returns the paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if c.maps is None:
+        raise SdkitError("no maps were captured; run the comparison with maps=True")
+    roles = conditioning.roles
+    if roles is not None:
+        named = [("<bos>", [0])] + roles.words + [("<eos>", [roles.roles.index("eos")])]
+    else:  # synthetic tokens have no words: show the first positions
+        named = [(f"token {p}", [p]) for p in range(min(8, c.maps.shape[0]))]
+    size = (c.latent_size[0] * vae_factor, c.latent_size[1] * vae_factor)
+    images = [F.interpolate(c.maps[ps].sum(0)[None, None], size=size, mode="bilinear", align_corners=False)[0, 0]
+              for _, ps in named]  # fmt: skip
+    # A shared scale starts at 0 so maps compare; an own scale stretches each map to show its shape.
+    vmin, vmax = (0.0, max(float(im.max()) for im in images)) if shared_scale else (None, None)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, ((word, _), image) in enumerate(zip(named, images)):
+        fig, ax = plt.subplots(figsize=(4, 4 * size[0] / size[1] + 0.4), dpi=100)
+        shown = ax.imshow(image.numpy(), cmap="inferno", vmin=vmin, vmax=vmax)
+        ax.set_title(f"{word!r}: {100 * float(c.maps[named[i][1]].sum(0).mean()):.1f} % of attention")
+        ax.axis("off")
+        fig.colorbar(shown, ax=ax, fraction=0.046)
+        paths.append(_save_png(fig, folder / f"{i:02d}_{_file_name(word)}.png"))
+    cols = min(6, len(images))
+    rows = -(-len(images) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(2.2 * cols, 2.4 * rows), dpi=100, squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
+    for ax, (word, _), image in zip(axes.flat, named, images):
+        ax.imshow(image.numpy(), cmap="inferno", vmin=vmin, vmax=vmax)
+        ax.set_title(word, fontsize=9)
+    fig.suptitle(f"Cross-attention per word ({c.unet}, {'shared' if shared_scale else 'own'} colour scale)", fontsize=10)
+    paths.append(_save_png(fig, folder / "overview.png"))
+    return paths
+
+
+def _file_name(word: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "_", word).strip("_")[:40] or "token"
+
+
+def _save_png(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", bbox_inches="tight")
+    plt.close(fig)
+    return path

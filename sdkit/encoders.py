@@ -1,0 +1,187 @@
+"""Text encoders and tokenizers from local folders (transformers), per-token states, token roles.
+
+SD 1.x reads CLIP ViT-L/14's last hidden state; SD 2.x reads OpenCLIP ViT-H/14's penultimate
+layer passed through the final layer norm. `layer` names that choice: "last" or "penultimate".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import string
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .common import SdkitError
+
+LAYERS = ("last", "penultimate")
+
+
+@dataclass
+class TextEncoder:
+    """A tokenizer and its text model, with the layer a U-Net reads from it."""
+
+    tokenizer: object
+    model: torch.nn.Module
+    layer: str = "last"
+    source: str = ""
+
+    @property
+    def width(self) -> int:
+        return self.model.config.hidden_size
+
+    @property
+    def max_length(self) -> int:
+        return min(self.tokenizer.model_max_length, self.model.config.max_position_embeddings)
+
+    def tokenize(self, prompts: list[str]) -> dict:
+        return self.tokenizer(list(prompts), padding="max_length", max_length=self.max_length, truncation=True,
+                              return_tensors="pt")  # fmt: skip
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str]) -> torch.Tensor:
+        """Per-token states (batch, max_length, width) from the configured layer."""
+        tokens = self.tokenize(prompts)
+        kwargs = {"attention_mask": tokens["attention_mask"]} if _uses_attention_mask(self.model) else {}
+        out = self.model(tokens["input_ids"].to(self.model.device), output_hidden_states=self.layer != "last",
+                         **{k: v.to(self.model.device) for k, v in kwargs.items()})  # fmt: skip
+        if self.layer == "last":
+            return out.last_hidden_state
+        final_norm = getattr(getattr(self.model, "text_model", self.model), "final_layer_norm", None)
+        if final_norm is None:
+            raise SdkitError(f"{self.source}: layer 'penultimate' needs a CLIP-style final_layer_norm")
+        return final_norm(out.hidden_states[-2])
+
+
+def _uses_attention_mask(model) -> bool:
+    # CLIP's text tower attends causally and SD never passed it a mask; BERT-style encoders need one.
+    return model.config.model_type not in ("clip_text_model", "clip")
+
+
+def load_text_encoder(folder: str | os.PathLike, tokenizer_folder: str | os.PathLike | None = None,
+                      layer: str = "last", device: str = "cpu") -> TextEncoder:  # fmt: skip
+    """A text encoder from a local folder: an SD pipeline folder (text_encoder/ + tokenizer/) or a
+    model folder holding both."""
+    from transformers import AutoConfig, AutoModel, AutoTokenizer, CLIPTextModel
+
+    if layer not in LAYERS:
+        raise SdkitError(f"unknown layer {layer!r}; choose one of {', '.join(LAYERS)}")
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise SdkitError(f"{folder}: no such folder (a text encoder is a local transformers folder)")
+    model_dir = folder / "text_encoder" if (folder / "text_encoder" / "config.json").is_file() else folder
+    tokenizer_dir = Path(tokenizer_folder) if tokenizer_folder else (
+        folder / "tokenizer" if (folder / "tokenizer").is_dir() else model_dir)  # fmt: skip
+    if not (model_dir / "config.json").is_file():
+        raise SdkitError(f"{folder}: no config.json here or in text_encoder/")
+    try:
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        cls = CLIPTextModel if config.model_type in ("clip_text_model", "clip") else AutoModel
+        model = cls.from_pretrained(model_dir, local_files_only=True).to(device).eval()
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise SdkitError(f"{folder}: cannot load the text encoder ({str(e).strip().splitlines()[0]})") from None
+    return TextEncoder(tokenizer, model, layer, str(folder))
+
+
+# --- token roles --------------------------------------------------------------------------------
+
+ROLES = ("bos", "word", "eos", "padding")
+
+
+@dataclass
+class TokenRoles:
+    """What each position of a tokenized prompt holds."""
+
+    tokens: list[str]  # token text per position
+    roles: list[str]  # bos / word / eos / padding per position
+    words: list[tuple[str, list[int]]]  # each word with the positions of its pieces
+
+
+def token_roles(tokenizer, prompt: str, max_length: int) -> TokenRoles:
+    """Label positions BOS / word / EOS / padding and merge sub-word pieces into words.
+
+    CLIP pads with the EOS id, so EOS and padding are told apart by position: the first special
+    token after the words is EOS, every later position is padding.
+    """
+    enc = tokenizer(prompt, padding="max_length", max_length=max_length, truncation=True)
+    ids = enc["input_ids"]
+    tokens = tokenizer.convert_ids_to_tokens(ids)
+    word_ids = enc.word_ids()
+    roles: list[str] = []
+    for position, word in enumerate(word_ids):
+        if word is not None:
+            roles.append("word")
+        elif position == 0:
+            roles.append("bos")  # CLIP's <|startoftext|>, BERT's [CLS]
+        elif "eos" not in roles:
+            roles.append("eos")
+        else:
+            roles.append("padding")
+    words: dict[int, list[int]] = {}
+    for position, word in enumerate(word_ids):
+        if word is not None:
+            words.setdefault(word, []).append(position)
+    merged = [(tokenizer.decode([ids[p] for p in positions]).strip(), positions) for _, positions in sorted(words.items())]
+    return TokenRoles(tokens, roles, merged)
+
+
+# --- tiny CLIP-shaped encoders, built locally for tests and demos ---------------------------------
+
+_TINY_WORDS = (
+    "a an the of on in with and at by from under over near photo painting drawing picture portrait "
+    "cat dog bird horse man woman child house tree city street river mountain sky sea car chair table "
+    "red blue green yellow black white small large old young bright dark sitting standing running"
+).split()
+
+
+def write_tiny_clip_tokenizer(folder: str | os.PathLike) -> Path:
+    """A CLIP BPE tokenizer with a tiny vocabulary: letters, digits and merges for ~60 caption words.
+
+    Other words fall apart into sub-word pieces, as rare words do in the real CLIP tokenizer.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    alphabet = string.ascii_lowercase + string.digits + ",.!?'-"
+    vocab: dict[str, int] = {}
+    for token in [*alphabet, *(c + "</w>" for c in alphabet)]:
+        vocab[token] = len(vocab)
+    merges = []
+    for word in _TINY_WORDS:
+        pieces = [*word[:-1], word[-1] + "</w>"]
+        current = pieces[0]
+        for piece in pieces[1:]:
+            if (current, piece) not in merges:
+                merges.append((current, piece))
+            current += piece
+            vocab.setdefault(current, len(vocab))
+    for special in ("<|startoftext|>", "<|endoftext|>"):
+        vocab[special] = len(vocab)
+    (folder / "vocab.json").write_text(json.dumps(vocab))
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "\n".join(f"{a} {b}" for a, b in merges) + "\n")
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "CLIPTokenizer", "model_max_length": 77, "bos_token": "<|startoftext|>",
+        "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "unk_token": "<|endoftext|>",
+    }))  # fmt: skip
+    return folder
+
+
+def write_tiny_clip_encoder(folder: str | os.PathLike, width: int, seed: int = 0, layers: int = 2) -> Path:
+    """A randomly initialised CLIP text model of the given width plus the tiny tokenizer, as an SD
+    pipeline-style folder (text_encoder/ + tokenizer/), written with save_pretrained."""
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    folder = Path(folder)
+    tokenizer = write_tiny_clip_tokenizer(folder / "tokenizer")
+    vocab = json.loads((tokenizer / "vocab.json").read_text())
+    config = CLIPTextConfig(
+        vocab_size=len(vocab), hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers,
+        num_attention_heads=max(1, width // 64), max_position_embeddings=77, projection_dim=width,
+        bos_token_id=vocab["<|startoftext|>"], eos_token_id=vocab["<|endoftext|>"],
+        pad_token_id=vocab["<|endoftext|>"], hidden_act="quick_gelu",
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    CLIPTextModel(config).save_pretrained(folder / "text_encoder")
+    return folder
