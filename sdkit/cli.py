@@ -104,6 +104,74 @@ def cmd_condition(args) -> None:
             print(f"\nwrote {len(paths)} PNG maps to {args.maps} (overview: {paths[-1]})")
 
 
+def cmd_adapter(args) -> None:
+    from .adapter import explanation
+
+    if not args.adapter_command:
+        print(explanation(args.encoders_dir))
+        return
+    args.adapter_func(args)
+
+
+def _train_config(args):
+    from .adapter import TrainConfig
+
+    return TrainConfig(max_epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, patience=args.patience,
+                       cosine_weight=args.cosine_weight, hidden_dim=args.hidden_dim, seed=args.seed)  # fmt: skip
+
+
+def _run_comparison(args, new_dir, old_dir, prompts, note: str | None = None) -> None:
+    from .adapter import compare_adapters, format_report
+    from .encoders import load_text_encoder
+    from .loading import load_unet
+
+    new = load_text_encoder(new_dir, layer=args.new_layer)
+    old = load_text_encoder(old_dir, layer=args.old_layer)
+    unet = load_unet(args.unet, allow_pickle=args.allow_pickle) if args.unet != "none" else None
+    kinds = [k for k in args.kinds.split(",") if k]
+    report = compare_adapters(new, old, prompts, kinds, _train_config(args), unet, args.unet, args.cache,
+                              args.out, args.checkpoints, seed=args.seed, progress=not args.json)  # fmt: skip
+    if args.json:
+        _emit_json({"encoders": note, **report.to_json()}, args.json)
+    if args.json != "-":
+        if note:
+            print(f"Encoders: {note}\n")
+        print(format_report(report))
+
+
+def cmd_adapter_demo(args) -> None:
+    from .adapter import available_pair, generate_prompts
+
+    new_dir, old_dir, note = available_pair(args.encoders_dir)
+    _run_comparison(args, new_dir, old_dir, generate_prompts(args.prompts, seed=args.seed), note)
+
+
+def cmd_adapter_train(args) -> None:
+    from .adapter import generate_prompts, read_prompts
+
+    prompts = read_prompts(args.corpus) if args.corpus else generate_prompts(args.generate, seed=args.seed)
+    _run_comparison(args, args.new, args.old, prompts)
+
+
+def cmd_adapter_encode(args) -> None:
+    from safetensors.torch import save_file
+
+    from .adapter import adapted_embeddings, load_adapter
+    from .common import atomic_path
+    from .encoders import load_text_encoder
+
+    adapter = load_adapter(args.adapter)
+    encoder = load_text_encoder(args.new, layer=args.new_layer)
+    tensors = {"prompt_embeds": adapted_embeddings(adapter, encoder, args.prompts).contiguous()}
+    if args.negative is not None:
+        negative = adapted_embeddings(adapter, encoder, [args.negative] * len(args.prompts))
+        tensors["negative_prompt_embeds"] = negative.contiguous()
+    with atomic_path(args.out) as tmp:
+        save_file(tensors, str(tmp), metadata={"prompts": json.dumps(args.prompts), "adapter": str(args.adapter)})
+    shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in tensors.items())
+    print(f"wrote {args.out}: {shapes}")
+
+
 def _latent_size(text: str) -> tuple[int, int]:
     h, _, w = text.lower().partition("x")
     try:
@@ -173,6 +241,55 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-pickle", action="store_true")
     _add_json(p)
     p.set_defaults(func=cmd_condition)
+
+    p = sub.add_parser("adapter", help="swap the text encoder: train and score a new -> old adapter",
+                       description="Swap the text encoder of a frozen SD 1.x U-Net with a trained adapter. "
+                                   "Without a subcommand, explains itself.")  # fmt: skip
+    p.set_defaults(func=cmd_adapter)
+    p.add_argument("--encoders-dir", default="weights/encoders", help=argparse.SUPPRESS)
+    adapter_sub = p.add_subparsers(dest="adapter_command", metavar="SUBCOMMAND")
+
+    def training_options(q, default_out):
+        q.add_argument("--kinds", default="linear,mlp", help="adapters to train (default linear,mlp)")
+        q.add_argument("--unet", default="tiny", help="frozen U-Net for the noise-prediction check (preset, folder, "
+                                                      "file, or none; default tiny)")  # fmt: skip
+        q.add_argument("--new-layer", default="last", help="layer read from the new encoder (last or penultimate)")
+        q.add_argument("--old-layer", default="last", help="layer the U-Net was trained on (SD 1.x: last)")
+        q.add_argument("--epochs", type=int, default=24)
+        q.add_argument("--patience", type=int, default=8, help="early stopping: epochs without improvement")
+        q.add_argument("--lr", type=float, default=2e-3)
+        q.add_argument("--batch-size", type=int, default=256, help="tokens per batch")
+        q.add_argument("--hidden-dim", type=int, help="mlp hidden width (default: the old encoder's width)")
+        q.add_argument("--cosine-weight", type=float, default=0.0, help="add w * (1 - cosine) to the per-token MSE")
+        q.add_argument("--seed", type=int, default=0)
+        q.add_argument("--cache", default="weights/cache", help="where encoded states are cached")
+        q.add_argument("--checkpoints", help="write (and resume from) training checkpoints here")
+        q.add_argument("--out", default=default_out, help=f"save the adapters and report.json here (default {default_out})")
+        q.add_argument("--allow-pickle", action="store_true")
+        _add_json(q)
+
+    q = adapter_sub.add_parser("demo", help="the whole comparison on the best encoders available here")
+    q.add_argument("--prompts", type=int, default=600, help="generated prompts (default 600)")
+    q.add_argument("--encoders-dir", default="weights/encoders", help="where to look for (or build) encoders")
+    training_options(q, "weights/adapters/demo")
+    q.set_defaults(adapter_func=cmd_adapter_demo)
+
+    q = adapter_sub.add_parser("train", help="encode a corpus with both encoders, fit, train and score adapters")
+    q.add_argument("--new", required=True, metavar="DIR", help="the new text encoder (transformers folder)")
+    q.add_argument("--old", required=True, metavar="DIR", help="the encoder the U-Net was trained with")
+    q.add_argument("--corpus", metavar="FILE", help="prompts, one per line (default: generated prompts)")
+    q.add_argument("--generate", type=int, default=2000, help="how many prompts to generate without --corpus")
+    training_options(q, "weights/adapters/latest")
+    q.set_defaults(adapter_func=cmd_adapter_train)
+
+    q = adapter_sub.add_parser("encode", help="write prompt embeddings for a frozen SD 1.x U-Net")
+    q.add_argument("prompts", nargs="+")
+    q.add_argument("--adapter", required=True, metavar="DIR", help="a saved adapter folder")
+    q.add_argument("--new", required=True, metavar="DIR", help="the new text encoder the adapter reads")
+    q.add_argument("--new-layer", default="last")
+    q.add_argument("--negative", help="also write negative_prompt_embeds for this prompt (e.g. '')")
+    q.add_argument("--out", required=True, help="a .safetensors file")
+    q.set_defaults(adapter_func=cmd_adapter_encode)
     return parser
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from .common import SdkitError
 
@@ -21,12 +22,16 @@ LAYERS = ("last", "penultimate")
 
 @dataclass
 class TextEncoder:
-    """A tokenizer and its text model, with the layer a U-Net reads from it."""
+    """A tokenizer and its text model, with the layer a U-Net reads from it.
+
+    Prompts are tokenized to `max_length` positions (SD's 77), capped by the model's positions.
+    """
 
     tokenizer: object
     model: torch.nn.Module
     layer: str = "last"
     source: str = ""
+    context_length: int = 77
 
     @property
     def width(self) -> int:
@@ -34,25 +39,40 @@ class TextEncoder:
 
     @property
     def max_length(self) -> int:
-        return min(self.tokenizer.model_max_length, self.model.config.max_position_embeddings)
+        return min(self.context_length, self.tokenizer.model_max_length, self.model.config.max_position_embeddings)
 
-    def tokenize(self, prompts: list[str]) -> dict:
-        return self.tokenizer(list(prompts), padding="max_length", max_length=self.max_length, truncation=True,
+    @property
+    def pads_with_states(self) -> bool:
+        """CLIP computes states at padding positions and SD reads them; masked encoders (BERT-style)
+        do not, and their padding positions are filled with zeros."""
+        return not _uses_attention_mask(self.model)
+
+    def tokenize(self, prompts: list[str], padding: str = "max_length") -> dict:
+        return self.tokenizer(list(prompts), padding=padding, max_length=self.max_length, truncation=True,
                               return_tensors="pt")  # fmt: skip
 
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> torch.Tensor:
         """Per-token states (batch, max_length, width) from the configured layer."""
-        tokens = self.tokenize(prompts)
-        kwargs = {"attention_mask": tokens["attention_mask"]} if _uses_attention_mask(self.model) else {}
-        out = self.model(tokens["input_ids"].to(self.model.device), output_hidden_states=self.layer != "last",
-                         **{k: v.to(self.model.device) for k, v in kwargs.items()})  # fmt: skip
+        device = self.model.device
+        if self.pads_with_states:
+            tokens = self.tokenize(prompts)
+            out = self.model(tokens["input_ids"].to(device), output_hidden_states=self.layer != "last")
+        else:  # padding is masked out: encode to the longest prompt, then zero-fill
+            tokens = self.tokenize(prompts, padding="longest")
+            out = self.model(tokens["input_ids"].to(device), attention_mask=tokens["attention_mask"].to(device),
+                             output_hidden_states=self.layer != "last")  # fmt: skip
         if self.layer == "last":
-            return out.last_hidden_state
-        final_norm = getattr(getattr(self.model, "text_model", self.model), "final_layer_norm", None)
-        if final_norm is None:
-            raise SdkitError(f"{self.source}: layer 'penultimate' needs a CLIP-style final_layer_norm")
-        return final_norm(out.hidden_states[-2])
+            states = out.last_hidden_state
+        else:
+            final_norm = getattr(getattr(self.model, "text_model", self.model), "final_layer_norm", None)
+            if final_norm is None:
+                raise SdkitError(f"{self.source}: layer 'penultimate' needs a CLIP-style final_layer_norm")
+            states = final_norm(out.hidden_states[-2])
+        if not self.pads_with_states:
+            states = states * tokens["attention_mask"].to(device, states.dtype).unsqueeze(-1)
+            states = F.pad(states, (0, 0, 0, self.max_length - states.shape[1]))
+        return states
 
 
 def _uses_attention_mask(model) -> bool:
@@ -61,7 +81,7 @@ def _uses_attention_mask(model) -> bool:
 
 
 def load_text_encoder(folder: str | os.PathLike, tokenizer_folder: str | os.PathLike | None = None,
-                      layer: str = "last", device: str = "cpu") -> TextEncoder:  # fmt: skip
+                      layer: str = "last", device: str = "cpu", context_length: int = 77) -> TextEncoder:  # fmt: skip
     """A text encoder from a local folder: an SD pipeline folder (text_encoder/ + tokenizer/) or a
     model folder holding both."""
     from transformers import AutoConfig, AutoModel, AutoTokenizer, CLIPTextModel
@@ -83,7 +103,7 @@ def load_text_encoder(folder: str | os.PathLike, tokenizer_folder: str | os.Path
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
         raise SdkitError(f"{folder}: cannot load the text encoder ({str(e).strip().splitlines()[0]})") from None
-    return TextEncoder(tokenizer, model, layer, str(folder))
+    return TextEncoder(tokenizer, model, layer, str(folder), context_length)
 
 
 # --- token roles --------------------------------------------------------------------------------

@@ -37,3 +37,14 @@ def tiny_encoder_dir(tmp_path_factory):
     from sdkit.encoders import write_tiny_clip_encoder
 
     return write_tiny_clip_encoder(tmp_path_factory.mktemp("enc768"), width=768, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    """Tiny CLIP-shaped encoders sharing one tokenizer: new (1024 wide) and old (768 wide)."""
+    from sdkit.encoders import load_text_encoder, write_tiny_clip_encoder
+
+    root = tmp_path_factory.mktemp("pair")
+    new = write_tiny_clip_encoder(root / "new1024", width=1024, seed=1, layers=1)
+    old = write_tiny_clip_encoder(root / "old768", width=768, seed=0, layers=1)
+    return load_text_encoder(new), load_text_encoder(old)

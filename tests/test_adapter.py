@@ -1,0 +1,160 @@
+import json
+import shutil
+
+import pytest
+import torch
+
+from sdkit.adapter import (
+    Interrupted,
+    TextEncoderAdapter,
+    TrainConfig,
+    check_alignment,
+    compare_adapters,
+    encode_prompts,
+    fit_lstsq,
+    format_report,
+    generate_prompts,
+    load_adapter,
+    relative_mse,
+    split_by_prompt,
+    train_adapter,
+)
+from sdkit.common import SdkitError
+from sdkit.encoders import load_text_encoder
+
+PROMPTS = generate_prompts(200, seed=0)
+
+
+@pytest.fixture(scope="module")
+def encoded(tiny_pair, tmp_path_factory):
+    data, from_cache = encode_prompts(*tiny_pair, PROMPTS, tmp_path_factory.mktemp("cache"), progress=False)
+    assert not from_cache
+    train_idx, val_idx, test_idx = split_by_prompt(len(PROMPTS))
+    return data.subset(train_idx).tokens(), data.subset(val_idx).tokens(), data.subset(test_idx).tokens()
+
+
+def test_generated_prompts():
+    prompts = generate_prompts(2000, seed=3)
+    assert prompts == generate_prompts(2000, seed=3)
+    assert 5 <= prompts.count("") <= 40  # about 1 %
+    assert len(set(prompts)) > 1500
+
+
+def test_save_load_gives_identical_outputs(tmp_path):
+    torch.manual_seed(0)
+    adapter = TextEncoderAdapter("mlp", 64, 48, standardize=True)
+    adapter.set_standardization(torch.randn(500, 64) * 3 + 1, torch.randn(500, 48) * 5 - 2)
+    with torch.no_grad():
+        adapter.mlp[2].weight.normal_()  # a trained-looking branch, not the zero start
+    adapter.save_pretrained(tmp_path / "a")
+    assert (tmp_path / "a" / "diffusion_pytorch_model.safetensors").is_file()
+    loaded = load_adapter(tmp_path / "a")
+    assert not loaded.config.standardize  # folded into the layers when saved
+    x = torch.randn(3, 77, 64)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), adapter.folded()(x))
+        torch.testing.assert_close(loaded(x), adapter(x), rtol=1e-4, atol=1e-4)
+    loaded.save_pretrained(tmp_path / "b")
+    with torch.no_grad():
+        assert torch.equal(load_adapter(tmp_path / "b")(x), loaded(x))
+
+
+def test_wrong_width_is_a_clear_error():
+    adapter = TextEncoderAdapter("linear", 1024, 768)
+    with pytest.raises(SdkitError, match="reads 1024-wide text states, but these are 768 wide"):
+        adapter(torch.randn(1, 77, 768))
+
+
+def test_alignment_refuses_a_mismatched_pair(tiny_pair, tmp_path):
+    new, old = tiny_pair
+    other = tmp_path / "other"
+    shutil.copytree(new.source, other)
+    merges = other / "tokenizer" / "merges.txt"
+    merges.write_text("\n".join(line for line in merges.read_text().splitlines() if not line.startswith("p h")) + "\n")
+    mismatched = load_text_encoder(other)
+    check_alignment(new, old, ["a photo of a cat"])  # the shared tokenizer aligns
+    with pytest.raises(SdkitError, match=r"do not align: prompt 'a photo of a cat', position 2"):
+        check_alignment(mismatched, old, ["a cat", "a photo of a cat"])
+
+
+def test_trained_linear_reaches_the_least_squares_optimum(encoded):
+    (x, y), val, _ = encoded
+    mean = y.mean(0)
+    adapter, history = train_adapter((x, y), val, TrainConfig(kind="linear", max_epochs=10, patience=100),
+                                     progress=False)  # fmt: skip
+    with torch.no_grad():
+        optimum = relative_mse(fit_lstsq(x, y)(x), y, mean)
+        trained = relative_mse(adapter(x), y, mean)
+    assert len(history) == 11
+    assert optimum < 0.5  # the pair is learnable, so the comparison means something
+    assert trained <= 1.02 * optimum, (trained, optimum)
+
+
+def test_cache_is_reused_when_settings_match_and_rebuilt_when_not(tiny_pair, tmp_path):
+    new, old = tiny_pair
+    prompts = PROMPTS[:20]
+    first, hit = encode_prompts(new, old, prompts, tmp_path, progress=False)
+    assert not hit
+    again, hit = encode_prompts(new, old, prompts, tmp_path, progress=False)
+    assert hit and torch.equal(again.new, first.new) and torch.equal(again.roles, first.roles)
+    assert again.real.dtype == torch.bool and again.padding_states
+    penultimate = load_text_encoder(new.source, layer="penultimate")
+    changed, hit = encode_prompts(penultimate, old, prompts, tmp_path, progress=False)
+    assert not hit and not torch.equal(changed.new, first.new)
+    _, hit = encode_prompts(new, old, prompts[:19], tmp_path, progress=False)
+    assert not hit
+    assert len(list(tmp_path.iterdir())) == 3  # one cache folder per distinct setting
+
+
+def test_interrupted_training_resumes_to_the_same_result(encoded, tmp_path):
+    train, val, (x_test, y_test) = encoded
+    config = TrainConfig(kind="mlp", max_epochs=4, patience=100)
+    whole, _ = train_adapter(train, val, config, tmp_path / "whole.safetensors", progress=False)
+    checkpoint = tmp_path / "killed.safetensors"
+    with pytest.raises(Interrupted):
+        train_adapter(train, val, config, checkpoint, progress=False, stop_after=2)
+    resumed, history = train_adapter(train, val, config, checkpoint, progress=False)
+    assert [h["epoch"] for h in history] == [0, 1, 2, 3, 4]
+    mean = train[1].mean(0)
+    with torch.no_grad():
+        a, b = relative_mse(whole(x_test), y_test, mean), relative_mse(resumed(x_test), y_test, mean)
+    assert a == pytest.approx(b, rel=1e-5)
+
+
+def test_comparison_against_baselines(tiny_pair, tiny_unet, tmp_path):
+    report = compare_adapters(*tiny_pair, PROMPTS, config=TrainConfig(max_epochs=4), unet=tiny_unet,
+                              unet_name="tiny", cache_dir=tmp_path / "cache", out_dir=tmp_path / "out",
+                              progress=False)  # fmt: skip
+    m = report.methods
+    assert list(m) == ["width_only", "mean", "lstsq", "linear", "mlp"]
+    assert m["mean"]["rel_mse"] == pytest.approx(1.0, abs=0.05)  # by definition, up to train/test shift
+    assert m["width_only"]["rel_mse"] > 1.0  # matching the width is not matching the meaning
+    for method in ("lstsq", "linear", "mlp"):
+        assert m[method]["rel_mse"] < 0.5 * m["mean"]["rel_mse"]
+        assert m[method]["unet_rel_error"] < m["width_only"]["unet_rel_error"]
+    assert set(m["lstsq"]) >= {"cosine", "cosine_centred", "rel_mse_bos", "rel_mse_word", "rel_mse_eos_padding",
+                               "pooled_cosine", "prompt_top1", "unet_rel_to_text_effect"}  # fmt: skip
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["methods"]["mlp"]["rel_mse"] == m["mlp"]["rel_mse"]
+    assert load_adapter(tmp_path / "out" / "mlp").config.kind == "mlp"
+    assert "the best linear map" in format_report(report)
+
+
+def test_cli_adapter(cli, tiny_pair, tmp_path):
+    code, out, _ = cli("adapter")
+    assert code == 0 and "width_only" in out and "sdkit adapter demo" in out
+    new, _ = tiny_pair
+    adapter = TextEncoderAdapter("linear", 1024, 768)
+    adapter.save_pretrained(tmp_path / "adapter")
+    code, out, _ = cli("adapter", "encode", "a red cat", "a dog", "--adapter", tmp_path / "adapter",
+                       "--new", new.source, "--negative", "", "--out", tmp_path / "embeds.safetensors")  # fmt: skip
+    assert code == 0
+    from safetensors.torch import load_file
+
+    embeds = load_file(tmp_path / "embeds.safetensors")
+    assert embeds["prompt_embeds"].shape == (2, 77, 768) and embeds["negative_prompt_embeds"].shape == (2, 77, 768)
+    code, _, err = cli("adapter", "encode", "x", "--adapter", tmp_path / "adapter", "--new", tiny_pair[1].source,
+                       "--out", tmp_path / "bad.safetensors")  # fmt: skip
+    assert code == 2 and "768 wide" in err and not (tmp_path / "bad.safetensors").exists()
+    code, _, err = cli("adapter", "train", "--new", new.source, "--old", tiny_pair[1].source,
+                       "--corpus", tmp_path / "missing.txt")  # fmt: skip
+    assert code == 2 and "missing.txt: no such prompt file" in err
