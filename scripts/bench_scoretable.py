@@ -10,7 +10,6 @@ tokens (512, ~724 and 1024 px images). Checks, printed as measured:
 """
 
 import argparse
-import json
 
 from tqdm import tqdm
 

@@ -10,7 +10,6 @@ All written as JSON (default out/gpu_scoretable.json).
 """
 
 import argparse
-import json
 import platform
 import time
 from dataclasses import asdict

@@ -387,14 +387,12 @@ def train_adapter(train: tuple[torch.Tensor, torch.Tensor], val: tuple[torch.Ten
     model = TextEncoderAdapter(config.kind, x.shape[1], y.shape[1], config.hidden_dim, config.standardize)
     if config.standardize:
         model.set_standardization(x, y)
-    if config.kind == "mlp" and config.init_from_lstsq:
-        # Start the skip at the least-squares map: solved in the space the network sees.
-        with torch.no_grad():
-            inputs = (x - model.input_mean) @ model.input_whitening if config.standardize else x
-            targets = (y - model.target_mean) / model.target_std if config.standardize else y
-            model.linear.load_state_dict(fit_lstsq(inputs, targets).linear.state_dict())
     with torch.no_grad():
         target = (y - model.target_mean) / model.target_std if config.standardize else y
+        if config.kind == "mlp" and config.init_from_lstsq:
+            # Start the skip at the least-squares map, solved in the space the network sees.
+            inputs = (x - model.input_mean) @ model.input_whitening if config.standardize else x
+            model.linear.load_state_dict(fit_lstsq(inputs, target).linear.state_dict())
     loader = DataLoader(TensorDataset(x, target, y), batch_size=config.batch_size, shuffle=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
@@ -407,13 +405,13 @@ def train_adapter(train: tuple[torch.Tensor, torch.Tensor], val: tuple[torch.Ten
     state = {"epoch": 0, "best": start_rel, "bad_epochs": 0, "history": [{"epoch": 0, "val_rel_mse": start_rel}]}
     best_weights = copy.deepcopy(raw.state_dict())
     if checkpoint and Path(checkpoint).is_file():
-        state, best_weights = _load_checkpoint(checkpoint, raw, optimizer)
+        state, best_weights = _load_checkpoint(checkpoint, raw, optimizer, config)
     bar = tqdm(total=config.max_epochs, initial=state["epoch"], desc=f"training {config.kind}", unit="epoch",
                disable=not progress or not accelerator.is_main_process)  # fmt: skip
     while state["epoch"] < config.max_epochs and state["bad_epochs"] < config.patience:
         model.train()
         loader.set_epoch(state["epoch"])
-        total, count = 0.0, 0
+        total, count, epoch_start = 0.0, 0, time.perf_counter()
         for step, (xb, tb, yb) in enumerate(loader, start=state["epoch"] * len(loader)):
             for group in optimizer.param_groups:  # cosine decay, a function of the step: resumes exactly
                 group["lr"] = config.lr * 0.5 * (1 + math.cos(math.pi * step / (config.max_epochs * len(loader))))
@@ -430,7 +428,8 @@ def train_adapter(train: tuple[torch.Tensor, torch.Tensor], val: tuple[torch.Ten
         with torch.no_grad():
             val_rel = relative_mse(raw(x_val), y_val, train_mean)
         state["epoch"] += 1
-        state["history"].append({"epoch": state["epoch"], "train_loss": total / max(count, 1), "val_rel_mse": val_rel})
+        state["history"].append({"epoch": state["epoch"], "train_loss": total / max(count, 1), "val_rel_mse": val_rel,
+                                 "seconds": time.perf_counter() - epoch_start})  # fmt: skip
         if val_rel < state["best"] - 1e-7:
             state["best"], state["bad_epochs"] = val_rel, 0
             best_weights = copy.deepcopy(raw.state_dict())
@@ -463,16 +462,24 @@ def _save_checkpoint(path, model, optimizer, best_weights, state, config) -> Non
         save_file(tensors, str(tmp), metadata=metadata)
 
 
-def _load_checkpoint(path, model, optimizer) -> tuple[dict, dict]:
+def _load_checkpoint(path, model, optimizer, config: TrainConfig) -> tuple[dict, dict]:
     from safetensors import safe_open
 
     try:
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata()
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (a safetensors handle)
+        saved = json.loads(metadata["config"])
     except Exception as e:  # a checkpoint from elsewhere, or damaged: say which file
         raise SdkitError(f"{path}: cannot resume from this checkpoint ({e}); delete it to start over") from None
-    model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+    if saved != asdict(config):
+        changed = sorted(k for k in saved if saved[k] != asdict(config).get(k))
+        raise SdkitError(f"{path}: this checkpoint was trained with other settings ({', '.join(changed)}); "
+                         "delete it or choose another checkpoint folder")  # fmt: skip
+    try:
+        model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+    except RuntimeError:
+        raise SdkitError(f"{path}: this checkpoint is for other encoder widths; delete it to start over") from None
     best = {k[5:]: v for k, v in tensors.items() if k.startswith("best.")}
     opt_state: dict = {}
     for k, v in tensors.items():

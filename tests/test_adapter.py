@@ -119,6 +119,9 @@ def test_interrupted_training_resumes_to_the_same_result(encoded, tmp_path):
     with torch.no_grad():
         a, b = relative_mse(whole(x_test), y_test, mean), relative_mse(resumed(x_test), y_test, mean)
     assert a == pytest.approx(b, rel=1e-5)
+    with pytest.raises(SdkitError, match="trained with other settings \\(lr\\)"):
+        train_adapter(train, val, TrainConfig(kind="mlp", max_epochs=4, patience=100, lr=1e-3), checkpoint,
+                      progress=False)  # fmt: skip
 
 
 def test_comparison_against_baselines(tiny_pair, tiny_unet, tmp_path):
