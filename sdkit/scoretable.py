@@ -326,6 +326,12 @@ def _measure_here(implementation: str, tokens: int, heads: int, head_dim: int, d
     output count as the prediction counts them.
     """
 
+    # Libraries set up thread pools, workspaces and scratch buffers on first use; do that at a
+    # small size first, so the peak is the attention's own.
+    warm = _inputs(min(tokens, 64), heads, head_dim, dtype, device)
+    run_implementation(implementation, *warm, rows)
+    del warm
+
     def first_run():
         q, k, v = _inputs(tokens, heads, head_dim, dtype, device)
         out = run_implementation(implementation, q, k, v, rows)
