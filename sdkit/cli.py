@@ -12,6 +12,11 @@ import warnings
 from .common import SdkitError, write_json
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, like every other input error
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _emit_json(data, target: str) -> None:
     if target == "-":
         print(json.dumps(data, indent=2))
@@ -89,10 +94,9 @@ def cmd_condition(args) -> None:
     else:
         conditioning = synthetic_conditionings(unet.config.cross_attention_dim, seed=args.seed)
     check_width(unet, conditioning)
-    sides = tuple(int(s) for s in args.map_sides.split(",")) if args.map_sides else None
     with tqdm(total=len(conditioning.cases), desc="forward passes", unit="case", leave=False) as bar:
         result = compare_conditionings(unet, conditioning, args.latent_size, args.timestep, args.seed,
-                                       maps=bool(args.maps), map_sides=sides, unet_name=args.unet, note=note,
+                                       maps=bool(args.maps), map_sides=args.map_sides, unet_name=args.unet, note=note,
                                        progress=bar)  # fmt: skip
     if args.maps:
         paths = write_maps(result, conditioning, args.maps, shared_scale=args.shared_scale)
@@ -172,6 +176,13 @@ def cmd_adapter_encode(args) -> None:
     print(f"wrote {args.out}: {shapes}")
 
 
+def _sides(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(side) for side in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of grid sides: {text!r} (e.g. 16,32)") from None
+
+
 def _latent_size(text: str) -> tuple[int, int]:
     h, _, w = text.lower().partition("x")
     try:
@@ -181,7 +192,8 @@ def _latent_size(text: str) -> tuple[int, int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sdkit", description=__doc__.split("\n")[0].removesuffix("."))
+    parser = _Parser(prog="sdkit", description="Look inside the cross-attention of Stable "
+                                     "Diffusion 1.x U-Nets (and SD 2.x / SDXL). Offline; see README.md.")  # fmt: skip
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("audit", help="count a U-Net's parameters by role (attention vs MLP vs ...)",
@@ -236,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--maps", metavar="DIR", help="write a PNG heatmap per word and an overview grid here")
     p.add_argument("--shared-scale", action="store_true", help="one colour scale for all maps")
-    p.add_argument("--map-sides", help="only layers with these grid sides in the maps, e.g. 16,32")
+    p.add_argument("--map-sides", type=_sides, help="only layers with these grid sides in the maps, e.g. 16,32")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
     p.add_argument("--allow-pickle", action="store_true")
     _add_json(p)

@@ -24,7 +24,10 @@ def cli(capsys):
     from sdkit.cli import main
 
     def run(*argv):
-        code = main([str(a) for a in argv])
+        try:
+            code = main([str(a) for a in argv])
+        except SystemExit as e:  # argparse's own errors exit
+            code = e.code
         out = capsys.readouterr()
         return code, out.out, out.err
 

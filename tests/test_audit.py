@@ -225,3 +225,5 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, tiny_files, cli):
         assert message in err, (name, err)
         assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
         assert str(target) in err
+    code, _, err = cli("audit", "sd15", "--context-dim", "wide")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "--context-dim" in err
