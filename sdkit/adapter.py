@@ -250,17 +250,16 @@ def encoder_fingerprint(encoder: TextEncoder) -> dict:
     Weights files are identified by name, size and modification time (hashing GBs per run would
     cost more than the encoding the cache saves).
     """
-    folder = Path(encoder.source)
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix in (".safetensors", ".bin"))
-    tokenizer_files = sorted(p for p in folder.rglob("*") if p.is_file() and (
-        p.name in ("vocab.json", "merges.txt", "vocab.txt", "tokenizer.json", "tokenizer_config.json")))  # fmt: skip
+    model_dir, tokenizer_dir = Path(encoder.model.name_or_path), Path(encoder.tokenizer.name_or_path)
+    files = sorted(p for p in model_dir.iterdir() if p.is_file() and p.suffix in (".safetensors", ".bin"))
     digest = hashlib.sha256()
-    for p in tokenizer_files:
-        digest.update(p.read_bytes())
+    for p in sorted(tokenizer_dir.iterdir()):
+        if p.name in ("vocab.json", "merges.txt", "vocab.txt", "tokenizer.json", "tokenizer_config.json"):
+            digest.update(p.read_bytes())
     return {
-        "source": str(folder.resolve()),
+        "source": str(model_dir.resolve()),
         "config": encoder.model.config.to_diff_dict(),
-        "weights": [[str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns] for p in files],
+        "weights": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files],
         "tokenizer_sha256": digest.hexdigest(),
         "layer": encoder.layer,
         "max_length": encoder.max_length,

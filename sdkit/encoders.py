@@ -2,6 +2,7 @@
 
 SD 1.x reads CLIP ViT-L/14's last hidden state; SD 2.x reads OpenCLIP ViT-H/14's penultimate
 layer passed through the final layer norm. `layer` names that choice: "last" or "penultimate".
+diffusers' SD 2.x folders store the tower already cut to 23 of 24 layers: "last" is right there.
 """
 
 from __future__ import annotations
