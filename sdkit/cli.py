@@ -133,7 +133,11 @@ def _run_comparison(args, new_dir, old_dir, prompts, note: str | None = None) ->
     old = load_text_encoder(old_dir, layer=args.old_layer)
     unet = load_unet(args.unet, allow_pickle=args.allow_pickle) if args.unet != "none" else None
     kinds = [k for k in args.kinds.split(",") if k]
-    report = compare_adapters(new, old, prompts, kinds, _train_config(args), unet, args.unet, args.cache,
+    from .presets import PRESETS
+
+    unet_name = f"{args.unet} preset, RANDOM weights: shows the check, not a trained SD U-Net" \
+        if args.unet in PRESETS else args.unet  # fmt: skip
+    report = compare_adapters(new, old, prompts, kinds, _train_config(args), unet, unet_name, args.cache,
                               args.out, args.checkpoints, seed=args.seed, progress=not args.json)  # fmt: skip
     if args.json:
         _emit_json({"encoders": note, **report.to_json()}, args.json)
