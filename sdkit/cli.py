@@ -329,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"sdkit {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `sdkit ... | head`: the reader left; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     return 0
 
 
