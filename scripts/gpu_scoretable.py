@@ -17,7 +17,7 @@ from dataclasses import asdict
 import torch
 
 from sdkit.common import parse_bytes, write_json
-from sdkit.scoretable import format_measurements, free_bytes, largest_tokens, measure, resolve_device
+from sdkit.scoretable import format_measurements, free_bytes, largest_naive_tokens, measure, resolve_device
 
 
 def main(argv=None):
@@ -42,7 +42,7 @@ def main(argv=None):
 
     # Leave a tenth of the memory for the allocator's own blocks and the kernels' workspaces.
     available = int(0.9 * (args.budget or free_bytes(device)))
-    tokens = largest_tokens("naive", 1, args.head_dim, args.dtype, available)
+    tokens = largest_naive_tokens(1, args.head_dim, args.dtype, available)
     largest = []
     while tokens > 0 and not (largest and largest[-1].peak_bytes):
         largest.append(measure(tokens, 1, args.head_dim, args.dtype, device, ("naive",), budget=args.budget,

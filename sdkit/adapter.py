@@ -26,7 +26,7 @@ from diffusers.models.modeling_utils import ModelMixin
 from torch import nn
 
 from .common import SdkitError, atomic_path, format_table, write_json
-from .encoders import TextEncoder, token_roles
+from .encoders import TextEncoder, TokenRoles, token_roles
 
 KINDS = ("linear", "mlp")
 ROLE_CODES = {"bos": 0, "word": 1, "eos": 2, "padding": 3}
@@ -118,10 +118,9 @@ class TextEncoderAdapter(ModelMixin, ConfigMixin):
         return plain.to(self.device).eval()
 
     def save_pretrained(self, save_directory, **kwargs):
-        folded = self.folded()
-        if folded is self:
-            return super().save_pretrained(save_directory, **kwargs)
-        return folded.save_pretrained(save_directory, **kwargs)
+        if self.config.standardize:
+            return self.folded().save_pretrained(save_directory, **kwargs)
+        return super().save_pretrained(save_directory, **kwargs)
 
 
 def load_adapter(folder: str | os.PathLike) -> TextEncoderAdapter:
@@ -201,13 +200,17 @@ class EncodedPrompts:
     prompts: list[str]
     new: torch.Tensor  # (prompts, length, new width), float16
     old: torch.Tensor  # (prompts, length, old width), float16
-    real: torch.Tensor  # (prompts, length) bool: BOS, words, EOS (the tokenizer's attention mask)
     roles: torch.Tensor  # (prompts, length) uint8, see ROLE_CODES
     padding_states: bool  # whether padding positions hold encoder states (CLIP) or zeros (masked encoders)
 
     def subset(self, index: list[int]) -> EncodedPrompts:
-        return EncodedPrompts([self.prompts[i] for i in index], self.new[index], self.old[index], self.real[index],
-                              self.roles[index], self.padding_states)  # fmt: skip
+        return EncodedPrompts([self.prompts[i] for i in index], self.new[index], self.old[index], self.roles[index],
+                              self.padding_states)  # fmt: skip
+
+    @property
+    def real(self) -> torch.Tensor:
+        """BOS, words and EOS: the positions a tokenizer's attention mask marks."""
+        return self.roles != ROLE_CODES["padding"]
 
     @property
     def read(self) -> torch.Tensor:
@@ -220,11 +223,13 @@ class EncodedPrompts:
         return self.new[self.read].float(), self.old[self.read].float()
 
 
-def check_alignment(new: TextEncoder, old: TextEncoder, prompts: list[str]) -> None:
-    """Refuse a pair whose tokenizers do not put the same tokens at the same positions.
+def check_alignment(new: TextEncoder, old: TextEncoder, prompts: list[str]) -> list[TokenRoles]:
+    """Refuse a pair whose tokenizers do not put the same tokens at the same positions; return
+    the (shared) token roles of each prompt.
 
     Compared by token text (ids differ between vocabularies) and by role for the special tokens.
     """
+    shared = []
     for prompt in prompts:
         a = token_roles(new.tokenizer, prompt, new.max_length)
         b = token_roles(old.tokenizer, prompt, old.max_length)
@@ -237,6 +242,8 @@ def check_alignment(new: TextEncoder, old: TextEncoder, prompts: list[str]) -> N
                     f"{shown(ra, a.tokens[position])!r} ({new.source}) vs {shown(rb, b.tokens[position])!r} "
                     f"({old.source}); an adapter per token needs the same tokens at the same positions"
                 )
+        shared.append(a)
+    return shared
 
 
 def _piece(token: str) -> str:
@@ -279,7 +286,7 @@ def encode_prompts(new: TextEncoder, old: TextEncoder, prompts: list[str], cache
 
     if new.max_length != old.max_length:
         raise SdkitError(f"the encoders have different lengths ({new.max_length} vs {old.max_length} tokens)")
-    settings = {"format": 1, "new": encoder_fingerprint(new), "old": encoder_fingerprint(old),
+    settings = {"format": 2, "new": encoder_fingerprint(new), "old": encoder_fingerprint(old),
                 "prompts_sha256": hashlib.sha256("\n".join(prompts).encode()).hexdigest(), "count": len(prompts)}  # fmt: skip
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     folder = Path(cache_dir) / key if cache_dir else None
@@ -288,31 +295,27 @@ def encode_prompts(new: TextEncoder, old: TextEncoder, prompts: list[str], cache
         if index.get("settings") == json.loads(json.dumps(settings)):
             shards = [load_file(folder / name) for name in index["shards"]]
             data = {k: torch.cat([s[k] for s in shards]) for k in shards[0]}
-            return EncodedPrompts(prompts, data["new"], data["old"], data["real"].bool(), data["roles"],
-                                  index["padding_states"]), True  # fmt: skip
+            return EncodedPrompts(prompts, data["new"], data["old"], data["roles"], new.pads_with_states), True
 
-    check_alignment(new, old, prompts)
-    parts = {"new": [], "old": [], "real": [], "roles": []}
+    roles = check_alignment(new, old, prompts)
+    parts = {"new": [], "old": []}
     for start in tqdm(range(0, len(prompts), batch_size), desc="encoding prompts", unit="batch", disable=not progress):
         batch = prompts[start : start + batch_size]
         parts["new"].append(new.encode(batch).half().cpu())
         parts["old"].append(old.encode(batch).half().cpu())
-        parts["real"].append(new.tokenize(batch)["attention_mask"].bool())
-        parts["roles"].append(torch.tensor([[ROLE_CODES[r] for r in token_roles(new.tokenizer, p, new.max_length).roles]
-                                            for p in batch], dtype=torch.uint8))  # fmt: skip
     data = {k: torch.cat(v) for k, v in parts.items()}
-    encoded = EncodedPrompts(prompts, data["new"], data["old"], data["real"], data["roles"], new.pads_with_states)
+    data["roles"] = torch.tensor([[ROLE_CODES[r] for r in t.roles] for t in roles], dtype=torch.uint8)
+    encoded = EncodedPrompts(prompts, data["new"], data["old"], data["roles"], new.pads_with_states)
     if folder:
         folder.mkdir(parents=True, exist_ok=True)
         names = []
         for i, start in enumerate(range(0, len(prompts), shard_prompts)):
             name = f"shard-{i:05d}.safetensors"
             shard = {k: v[start : start + shard_prompts].contiguous() for k, v in data.items()}
-            shard["real"] = shard["real"].to(torch.uint8)
             with atomic_path(folder / name) as tmp:
                 save_file(shard, str(tmp), metadata={"key": key})
             names.append(name)
-        write_json(folder / "index.json", {"settings": settings, "shards": names, "padding_states": encoded.padding_states})
+        write_json(folder / "index.json", {"settings": settings, "shards": names})
     return encoded, False
 
 

@@ -73,6 +73,16 @@ def parameter_level(name: str) -> str:
     return "mid" if block == "mid_block" else "stem"
 
 
+def level_depth(level: str, levels: int) -> int:
+    """How many times the latent has been halved at a level (down.i, mid, up.i or stem)."""
+    if level == "stem":
+        return 0
+    if level == "mid":
+        return levels - 1
+    kind, index = level.split(".")
+    return int(index) if kind == "down" else levels - 1 - int(index)
+
+
 @dataclass
 class Audit:
     source: str
@@ -136,20 +146,12 @@ def _levels(entries: list[_Entry], image_size: int) -> list[dict]:
     index = lambda level: int(level.split(".")[1])  # noqa: E731
     downs = sorted((k for k in by_level if k.startswith("down.")), key=index)
     ups = sorted((k for k in by_level if k.startswith("up.")), key=index)
-    depth = len(downs)
     side = image_size // VAE_FACTOR
-
-    def latent_side(level: str) -> int:
-        if level == "stem":
-            return side
-        if level == "mid":
-            return side >> (depth - 1)
-        return side >> (index(level) if level.startswith("down.") else depth - 1 - index(level))
-
     rows = []
     for level in ["stem", *downs, *(["mid"] if "mid" in by_level else []), *ups]:
         roles = _sum_roles(by_level[level])
-        rows.append({"name": level, "latent_side": latent_side(level), "total": sum(roles.values()), "roles": roles})
+        rows.append({"name": level, "latent_side": side >> level_depth(level, len(downs)),
+                     "total": sum(roles.values()), "roles": roles})  # fmt: skip
     return rows
 
 

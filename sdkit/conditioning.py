@@ -22,6 +22,7 @@ from diffusers.models.attention_processor import Attention, AttnProcessor, AttnP
 
 from .common import SdkitError, atomic_path, format_table
 from .encoders import ROLES, TextEncoder, TokenRoles, token_roles
+from .scoretable import halved
 
 _HINTS = {
     "SlicedAttnProcessor": "attention slicing is on; call pipe.disable_attention_slicing() first",
@@ -125,9 +126,10 @@ class CrossAttentionTrace:
         self._latent_size = tuple(sample.shape[-2:])
 
     def _grid(self, cells: int) -> tuple[int, int] | None:
+        """The layer's grid: the latent halved until it has `cells` cells."""
         h, w = self._latent_size or (0, 0)
-        while h * w > cells:  # stride-2 convs round up
-            h, w = -(-h // 2), -(-w // 2)
+        while h * w > cells:
+            h, w = halved(h, w, 1)
         return (h, w) if h * w == cells else None
 
     @torch.no_grad()

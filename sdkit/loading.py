@@ -381,7 +381,7 @@ def infer_unet_config(unet: dict[str, TensorInfo]) -> dict:
         config["addition_embed_type"] = "text_time"
         config["projection_class_embeddings_input_dim"] = shape["add_embedding.linear_1"][1]
     if len(cross_dims) > 1:
-        raise SdkitError(f"U-Net cross-attention reads several text widths {sorted(cross_dims)}; pass --config")
+        raise SdkitError(f"U-Net cross-attention reads several text widths {sorted(cross_dims)}; pass its config to load_unet(config=...)")
     structure = ("block_out_channels", "layers_per_block", "down_block_types", "up_block_types",
                  "transformer_layers_per_block", "cross_attention_dim", "use_linear_projection")  # fmt: skip
     for name in PRESETS:
@@ -417,8 +417,7 @@ def load_unet(
         except (OSError, ValueError, RuntimeError) as e:
             raise SdkitError(f"{unet_dir}: cannot load the U-Net ({_first_line(e)})") from None
         return _aligned(unet).eval()
-    index = index_checkpoint(path, allow_pickle)
-    tensors = _read_unet_tensors(path, index, allow_pickle)
+    tensors, index = _read_unet_tensors(path, allow_pickle)
     config = config or infer_unet_config(index.unet)
     unet = build_unet(config, weights="meta")
     expected = module_index(unet)
@@ -445,15 +444,18 @@ def _aligned(unet: UNet2DConditionModel) -> UNet2DConditionModel:
     return unet
 
 
-def _read_unet_tensors(path: Path, index: CheckpointIndex, allow_pickle: bool) -> dict[str, torch.Tensor]:
-    if path.suffix in PICKLE_SUFFIXES:
+def _read_unet_tensors(path: Path, allow_pickle: bool) -> tuple[dict[str, torch.Tensor], CheckpointIndex]:
+    """The U-Net's tensors of a checkpoint file, in diffusers names, and the file's index."""
+    if path.suffix in PICKLE_SUFFIXES:  # one load serves both the index and the tensors
         data = _load_pickle(path, allow_pickle)
-        return {name: data[key] for name, key in index.unet_file_keys.items()}
+        index = _index_tensors(str(path), "file", {k: tensor_info(v) for k, v in data.items()}, 0)
+        return {name: data[key] for name, key in index.unet_file_keys.items()}, index
     from safetensors import SafetensorError, safe_open
 
+    index = index_checkpoint(path, allow_pickle)
     try:
         with safe_open(path, framework="pt") as f:
-            return {name: f.get_tensor(key) for name, key in index.unet_file_keys.items()}
+            return {name: f.get_tensor(key) for name, key in index.unet_file_keys.items()}, index
     except SafetensorError as e:
         raise SdkitError(f"{path}: cannot read tensors ({e})") from None
 

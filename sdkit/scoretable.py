@@ -87,33 +87,32 @@ def table_bytes(tokens: int, dtype: str, heads: int = 1, batch: int = 1, query_t
 def self_attention_levels(preset: str) -> list[dict]:
     """Per U-Net depth: heads, head size and how many self-attention layers run there."""
     # Imported here: the CPU measurement children import this module and need only torch.
-    from .audit import parameter_level
+    from .audit import level_depth, parameter_level
     from .presets import build_unet, preset_config
 
     config = preset_config(preset)
     unet = build_unet(config, weights="meta")
-    depth_count = len(config["block_out_channels"])
     by_depth: dict[int, dict] = {}
     for name, module in unet.named_modules():
         if not name.endswith(".attn1"):
             continue
-        level = parameter_level(name)
-        if level == "mid":
-            depth = depth_count - 1
-        else:
-            kind, index = level.split(".")
-            depth = int(index) if kind == "down" else depth_count - 1 - int(index)
+        depth = level_depth(parameter_level(name), len(config["block_out_channels"]))
         entry = by_depth.setdefault(depth, {"depth": depth, "heads": module.heads,
                                             "head_dim": module.inner_dim // module.heads, "layers": 0})  # fmt: skip
         entry["layers"] += 1
     return [by_depth[d] for d in sorted(by_depth)]
 
 
-def latent_grid(height: int, width: int, depth: int) -> tuple[int, int]:
-    h, w = height // VAE_FACTOR, width // VAE_FACTOR
-    for _ in range(depth):  # stride-2 convs with padding 1 round up
+def halved(h: int, w: int, times: int) -> tuple[int, int]:
+    """A grid after `times` stride-2 convolutions with padding 1 (they round up)."""
+    for _ in range(times):
         h, w = -(-h // 2), -(-w // 2)
     return h, w
+
+
+def latent_grid(height: int, width: int, depth: int) -> tuple[int, int]:
+    """The latent grid at a U-Net depth for an image of height x width pixels."""
+    return halved(height // VAE_FACTOR, width // VAE_FACTOR, depth)
 
 
 def score_tables(height: int = 512, width: int | None = None, preset: str = "sd15", dtype: str = "float16",
@@ -262,11 +261,10 @@ def relative_difference(out: torch.Tensor, reference: torch.Tensor) -> float:
     return float((out.float() - reference.float()).abs().max() / reference.float().abs().max())
 
 
-def largest_tokens(implementation: str, heads: int, head_dim: int, dtype: str, available: int,
-                   rows: int | None = None, multiple: int = 1024) -> int:  # fmt: skip
-    """The most tokens (a multiple of `multiple`) whose predicted peak fits in `available` bytes."""
+def largest_naive_tokens(heads: int, head_dim: int, dtype: str, available: int, multiple: int = 1024) -> int:
+    """The most tokens (a multiple of `multiple`) whose naive attention fits in `available` bytes."""
     low, high = 0, 1
-    fits = lambda n: predicted_peak(implementation, n * multiple, heads, head_dim, dtype, rows or n * multiple) <= available  # noqa: E731
+    fits = lambda n: predicted_peak("naive", n * multiple, heads, head_dim, dtype, n * multiple) <= available  # noqa: E731
     while fits(high):
         low, high = high, high * 2
     while high - low > 1:
@@ -293,7 +291,7 @@ def resolve_device(device: str) -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SdkitError(f"device {device!r} asked for, but this machine has no CUDA device")
-    if device not in ("cpu",) and not device.startswith("cuda"):
+    if device != "cpu" and not device.startswith("cuda"):
         raise SdkitError(f"unknown device {device!r}; use auto, cpu or cuda")
     return device
 

@@ -97,7 +97,7 @@ def test_cache_is_reused_when_settings_match_and_rebuilt_when_not(tiny_pair, tmp
     assert not hit
     again, hit = encode_prompts(new, old, prompts, tmp_path, progress=False)
     assert hit and torch.equal(again.new, first.new) and torch.equal(again.roles, first.roles)
-    assert again.real.dtype == torch.bool and again.padding_states
+    assert torch.equal(again.real, new.tokenize(prompts)["attention_mask"].bool()) and again.padding_states
     penultimate = load_text_encoder(new.source, layer="penultimate")
     changed, hit = encode_prompts(penultimate, old, prompts, tmp_path, progress=False)
     assert not hit and not torch.equal(changed.new, first.new)

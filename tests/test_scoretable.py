@@ -7,7 +7,7 @@ from sdkit.scoretable import (
     attention_scores,
     chunked_attention,
     latent_grid,
-    largest_tokens,
+    largest_naive_tokens,
     measure,
     naive_attention,
     predicted_peak,
@@ -81,7 +81,7 @@ def test_softmax_mixes_it_never_picks():
 
 def test_largest_tokens_inverts_the_prediction():
     available = 3 * 2**30
-    n = largest_tokens("naive", 1, 40, "float16", available)
+    n = largest_naive_tokens(1, 40, "float16", available)
     assert predicted_peak("naive", n, 1, 40, "float16", n) <= available
     assert predicted_peak("naive", n + 1024, 1, 40, "float16", n + 1024) > available
 
