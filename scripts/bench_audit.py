@@ -20,7 +20,8 @@ from diffusers import UNet2DConditionModel
 from safetensors.torch import save_file
 
 from sdkit.audit import audit
-from sdkit.loading import ORIGINAL_UNET_PREFIX, diffusers_to_original_names, module_index
+from sdkit.checkpoints import ORIGINAL_UNET_PREFIX, diffusers_to_original_names
+from sdkit.loading import module_index
 from sdkit.presets import build_unet, preset_config
 
 
@@ -67,7 +68,7 @@ def main():
         header_times.append(time.perf_counter() - t)
         header_bytes.append(bytes_read_by_process() - before)
 
-    config_dir = str(resources.files("sdkit._configs").joinpath("sd15"))
+    config_dir = str(resources.files("sdkit.configs").joinpath("sd15"))
     load_times = []
     for _ in range(max(1, args.repeats // 2)):
         t = time.perf_counter()

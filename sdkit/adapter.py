@@ -15,6 +15,7 @@ import json
 import math
 import os
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,8 +26,8 @@ from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.models.modeling_utils import ModelMixin
 from torch import nn
 
-from .common import SdkitError, atomic_path, format_table, write_json
-from .encoders import TextEncoder, TokenRoles, token_roles
+from .common import SdkitError, atomic_folder, atomic_path, format_table, write_json
+from .encoders import TextEncoder, TokenRoles, encoder_fingerprint, token_roles
 
 KINDS = ("linear", "mlp")
 ROLE_CODES = {"bos": 0, "word": 1, "eos": 2, "padding": 3}
@@ -128,7 +129,17 @@ def load_adapter(folder: str | os.PathLike) -> TextEncoderAdapter:
     if not (folder / "config.json").is_file():
         raise SdkitError(f"{folder}: not an adapter folder (no config.json; train one with `sdkit adapter train`)")
     try:
-        return TextEncoderAdapter.from_pretrained(folder).eval()
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise SdkitError(f"{folder}: cannot read its config.json ({e})") from None
+    if not isinstance(config, dict) or config.get("_class_name") != "TextEncoderAdapter":
+        kind = config.get("_class_name") if isinstance(config, dict) else None
+        raise SdkitError(f"{folder}: not an adapter folder (its config.json is for {kind!r})")
+    if not (folder / "diffusion_pytorch_model.safetensors").is_file():
+        raise SdkitError(f"{folder}: no diffusion_pytorch_model.safetensors here (adapters are read from safetensors "
+                         "only; a .bin would be a pickle)")  # fmt: skip
+    try:
+        return TextEncoderAdapter.from_pretrained(folder, use_safetensors=True).eval()
     except (OSError, ValueError, RuntimeError) as e:
         raise SdkitError(f"{folder}: cannot load the adapter ({str(e).strip().splitlines()[0]})") from None
 
@@ -251,28 +262,6 @@ def _piece(token: str) -> str:
     return token.removesuffix("</w>").removeprefix("##").removeprefix("Ġ").removeprefix("▁").lower()
 
 
-def encoder_fingerprint(encoder: TextEncoder) -> dict:
-    """What decides an encoder's states: its config, tokenizer, weights files and settings.
-
-    Weights files are identified by name, size and modification time (hashing GBs per run would
-    cost more than the encoding the cache saves).
-    """
-    model_dir, tokenizer_dir = Path(encoder.model.name_or_path), Path(encoder.tokenizer.name_or_path)
-    files = sorted(p for p in model_dir.iterdir() if p.is_file() and p.suffix in (".safetensors", ".bin"))
-    digest = hashlib.sha256()
-    for p in sorted(tokenizer_dir.iterdir()):
-        if p.name in ("vocab.json", "merges.txt", "vocab.txt", "tokenizer.json", "tokenizer_config.json"):
-            digest.update(p.read_bytes())
-    return {
-        "source": str(model_dir.resolve()),
-        "config": encoder.model.config.to_diff_dict(),
-        "weights": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files],
-        "tokenizer_sha256": digest.hexdigest(),
-        "layer": encoder.layer,
-        "max_length": encoder.max_length,
-    }
-
-
 def encode_prompts(new: TextEncoder, old: TextEncoder, prompts: list[str], cache_dir: str | os.PathLike | None = None,
                    batch_size: int = 64, shard_prompts: int = 1024, progress: bool = True) -> tuple[EncodedPrompts, bool]:  # fmt: skip
     """Encode prompts with both encoders, or read them from the cache; returns (data, from_cache).
@@ -281,7 +270,7 @@ def encode_prompts(new: TextEncoder, old: TextEncoder, prompts: list[str], cache
     match and rebuilt when anything changes. Shards are safetensors files, the index is written
     last, so an interrupted build is never mistaken for a finished one.
     """
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
     from tqdm import tqdm
 
     if new.max_length != old.max_length:
@@ -291,11 +280,10 @@ def encode_prompts(new: TextEncoder, old: TextEncoder, prompts: list[str], cache
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     folder = Path(cache_dir) / key if cache_dir else None
     if folder and (folder / "index.json").is_file():
-        index = json.loads((folder / "index.json").read_text())
-        if index.get("settings") == json.loads(json.dumps(settings)):
-            shards = [load_file(folder / name) for name in index["shards"]]
-            data = {k: torch.cat([s[k] for s in shards]) for k in shards[0]}
-            return EncodedPrompts(prompts, data["new"], data["old"], data["roles"], new.pads_with_states), True
+        cached = _read_cache(folder, settings, len(prompts))
+        if cached is not None:
+            return EncodedPrompts(prompts, cached["new"], cached["old"], cached["roles"], new.pads_with_states), True
+        print(f"the cache at {folder} is damaged; it will be rebuilt", file=sys.stderr)
 
     roles = check_alignment(new, old, prompts)
     parts = {"new": [], "old": []}
@@ -317,6 +305,22 @@ def encode_prompts(new: TextEncoder, old: TextEncoder, prompts: list[str], cache
             names.append(name)
         write_json(folder / "index.json", {"settings": settings, "shards": names})
     return encoded, False
+
+
+def _read_cache(folder: Path, settings: dict, count: int) -> dict | None:
+    """The cached tensors, or None when the cache is damaged (cut shard, broken index)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        index = json.loads((folder / "index.json").read_text())
+        if index.get("settings") != json.loads(json.dumps(settings)):
+            return None
+        shards = [load_file(folder / name) for name in index["shards"]]
+        data = {k: torch.cat([s[k] for s in shards]) for k in ("new", "old", "roles")}
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError, RuntimeError):
+        return None
+    return data if all(len(v) == count for v in data.values()) else None
 
 
 def split_by_prompt(n: int, seed: int = 0, val: float = 0.1, test: float = 0.1) -> tuple[list[int], list[int], list[int]]:
@@ -400,6 +404,9 @@ def train_adapter(train: tuple[torch.Tensor, torch.Tensor], val: tuple[torch.Ten
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     raw = accelerator.unwrap_model(model)
 
+    # Everything that decides the result: the settings and the token pairs themselves (so other
+    # encoders, layers, prompts or splits can never resume this checkpoint).
+    fingerprint = _run_fingerprint(config, train, val)
     x_val, y_val = (t.to(accelerator.device) for t in val)
     train_mean = y.mean(0).to(accelerator.device)
     with torch.no_grad():  # the starting point counts: an mlp started at lstsq never ends worse on validation
@@ -407,7 +414,7 @@ def train_adapter(train: tuple[torch.Tensor, torch.Tensor], val: tuple[torch.Ten
     state = {"epoch": 0, "best": start_rel, "bad_epochs": 0, "history": [{"epoch": 0, "val_rel_mse": start_rel}]}
     best_weights = copy.deepcopy(raw.state_dict())
     if checkpoint and Path(checkpoint).is_file():
-        state, best_weights = _load_checkpoint(checkpoint, raw, optimizer, config)
+        state, best_weights = _load_checkpoint(checkpoint, raw, optimizer, config, fingerprint)
     bar = tqdm(total=config.max_epochs, initial=state["epoch"], desc=f"training {config.kind}", unit="epoch",
                disable=not progress or not accelerator.is_main_process)  # fmt: skip
     while state["epoch"] < config.max_epochs and state["bad_epochs"] < config.patience:
@@ -438,7 +445,7 @@ def train_adapter(train: tuple[torch.Tensor, torch.Tensor], val: tuple[torch.Ten
         else:
             state["bad_epochs"] += 1
         if checkpoint and accelerator.is_main_process:
-            _save_checkpoint(checkpoint, raw, optimizer, best_weights, state, config)
+            _save_checkpoint(checkpoint, raw, optimizer, best_weights, state, config, fingerprint)
         bar.update(1)
         bar.set_postfix(val_rel_mse=f"{val_rel:.4f}")
         if stop_after is not None and state["epoch"] >= stop_after:
@@ -449,7 +456,15 @@ def train_adapter(train: tuple[torch.Tensor, torch.Tensor], val: tuple[torch.Ten
     return raw.eval().cpu(), state["history"]
 
 
-def _save_checkpoint(path, model, optimizer, best_weights, state, config) -> None:
+def _run_fingerprint(config: TrainConfig, train, val) -> str:
+    digest = hashlib.sha256(json.dumps(asdict(config), sort_keys=True).encode())
+    for tensor in (*train, *val):
+        digest.update(str(tuple(tensor.shape)).encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _save_checkpoint(path, model, optimizer, best_weights, state, config, fingerprint: str) -> None:
     from safetensors.torch import save_file
 
     tensors = {f"model.{k}": v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
@@ -459,12 +474,12 @@ def _save_checkpoint(path, model, optimizer, best_weights, state, config) -> Non
         for name, value in param_state.items():
             tensors[f"optimizer.{index}.{name}"] = torch.as_tensor(value).detach().cpu().contiguous()
     metadata = {"state": json.dumps(state), "param_groups": json.dumps(opt["param_groups"]),
-                "config": json.dumps(asdict(config))}  # fmt: skip
+                "config": json.dumps(asdict(config)), "fingerprint": fingerprint}  # fmt: skip
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata=metadata)
 
 
-def _load_checkpoint(path, model, optimizer, config: TrainConfig) -> tuple[dict, dict]:
+def _load_checkpoint(path, model, optimizer, config: TrainConfig, fingerprint: str) -> tuple[dict, dict]:
     from safetensors import safe_open
 
     try:
@@ -478,6 +493,9 @@ def _load_checkpoint(path, model, optimizer, config: TrainConfig) -> tuple[dict,
         changed = sorted(k for k in saved if saved[k] != asdict(config).get(k))
         raise SdkitError(f"{path}: this checkpoint was trained with other settings ({', '.join(changed)}); "
                          "delete it or choose another checkpoint folder")  # fmt: skip
+    if metadata.get("fingerprint") != fingerprint:
+        raise SdkitError(f"{path}: this checkpoint was trained on other data (other encoders, layers, prompts or "
+                         "split); delete it or choose another checkpoint folder")  # fmt: skip
     try:
         model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
     except RuntimeError:
@@ -499,38 +517,81 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return F.cosine_similarity(a, b, dim=-1, eps=1e-8)
 
 
-def token_metrics(pred: torch.Tensor, data: EncodedPrompts, train_mean: torch.Tensor) -> dict:
-    """Per-token and per-prompt agreement of predicted with true old-encoder states."""
+def _prompt_parts(pred: torch.Tensor, data: EncodedPrompts, train_mean: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each metric's share of each held-out prompt, (prompts,) tensors in float64, so metrics and
+    their bootstrap intervals come from the same sums."""
     true = data.old.float()
     real, counted = data.real, data.read
-    out = {
-        "cosine": float(_cosine(pred[counted], true[counted]).mean()),
-        "cosine_centred": float(_cosine(pred[counted] - train_mean, true[counted] - train_mean).mean()),
-        "rel_mse": relative_mse(pred[counted], true[counted], train_mean),
-    }
+    mask = counted.double()
+    error = (pred - true).pow(2).sum(-1).double()
+    spread = (true - train_mean).pow(2).sum(-1).double()
+    parts = {
+        "count": mask.sum(1),
+        "cosine": (_cosine(pred, true).double() * mask).sum(1),
+        "cosine_centred": (_cosine(pred - train_mean, true - train_mean).double() * mask).sum(1),
+        "rel_mse.num": (error * mask).sum(1), "rel_mse.den": (spread * mask).sum(1),
+    }  # fmt: skip
     groups = {"bos": [ROLE_CODES["bos"]], "word": [ROLE_CODES["word"]], "eos_padding": [ROLE_CODES["eos"]]}
     if data.padding_states:
         groups["eos_padding"].append(ROLE_CODES["padding"])
     for name, codes in groups.items():
-        mask = counted & torch.isin(data.roles, torch.tensor(codes, dtype=data.roles.dtype))
-        out[f"rel_mse_{name}"] = relative_mse(pred[mask], true[mask], train_mean) if mask.any() else None
+        role = (counted & torch.isin(data.roles, torch.tensor(codes, dtype=data.roles.dtype))).double()
+        parts[f"rel_mse_{name}.num"], parts[f"rel_mse_{name}.den"] = (error * role).sum(1), (spread * role).sum(1)
     weights = real.float().unsqueeze(-1)
     pooled_pred = (pred * weights).sum(1) / weights.sum(1)
     pooled_true = (true * weights).sum(1) / weights.sum(1)
-    out["pooled_cosine"] = float(_cosine(pooled_pred, pooled_true).mean())
+    parts["pooled_cosine"] = _cosine(pooled_pred, pooled_true).double()
     similarity = F.normalize(pooled_pred - pooled_true.mean(0), dim=-1) @ F.normalize(pooled_true - pooled_true.mean(0), dim=-1).T
     own = similarity.diagonal()
-    others = (similarity.sum(1) - own) / max(len(own) - 1, 1)
-    out["prompt_own_cosine"] = float(own.mean())
-    out["prompt_other_cosine"] = float(others.mean())
-    out["prompt_top1"] = float((similarity.argmax(1) == torch.arange(len(own))).float().mean())
+    parts["prompt_own_cosine"] = own.double()
+    parts["prompt_other_cosine"] = ((similarity.sum(1) - own) / max(len(own) - 1, 1)).double()
+    parts["prompt_top1"] = (similarity.argmax(1) == torch.arange(len(own))).double()
+    return parts
+
+
+def _aggregate(parts: dict[str, torch.Tensor], index: torch.Tensor | None = None) -> dict:
+    """Metrics over the prompts in `index` (all of them by default; repeats count twice)."""
+    take = (lambda t: t) if index is None else (lambda t: t[index])  # noqa: E731
+    out = {}
+    for name, value in parts.items():
+        if name == "count" or name.endswith(".den"):
+            continue
+        if name.endswith(".num"):
+            metric = name[: -len(".num")]
+            den = take(parts[f"{metric}.den"]).sum()
+            out[metric] = float(take(value).sum() / den.clamp_min(1e-30)) if den > 0 else None
+        elif name in ("cosine", "cosine_centred"):
+            out[name] = float(take(value).sum() / take(parts["count"]).sum())
+        else:  # per-prompt values: their mean
+            out[name] = float(take(value).mean())
     return out
+
+
+def bootstrap_intervals(parts: dict[str, torch.Tensor], samples: int = 1000, seed: int = 0,
+                        level: float = 0.95) -> dict[str, list[float]]:  # fmt: skip
+    """Percentile intervals of each metric over held-out prompts drawn with replacement."""
+    n = len(next(iter(parts.values())))
+    generator = torch.Generator().manual_seed(seed)
+    draws: dict[str, list[float]] = {}
+    for _ in range(samples):
+        for name, value in _aggregate(parts, torch.randint(0, n, (n,), generator=generator)).items():
+            if value is not None:
+                draws.setdefault(name, []).append(value)
+    tail = (1 - level) / 2
+    return {name: [float(torch.tensor(v).quantile(tail)), float(torch.tensor(v).quantile(1 - tail))]
+            for name, v in draws.items()}  # fmt: skip
+
+
+def token_metrics(pred: torch.Tensor, data: EncodedPrompts, train_mean: torch.Tensor) -> dict:
+    """Per-token and per-prompt agreement of predicted with true old-encoder states."""
+    return _aggregate(_prompt_parts(pred, data, train_mean))
 
 
 @torch.no_grad()
 def unet_noise_error(unet, predicted: torch.Tensor, true: torch.Tensor, empty: torch.Tensor,
                      timesteps=(100, 500, 900), seeds=(0, 1), reference_cache: dict | None = None) -> dict:  # fmt: skip
-    """Relative error of the U-Net's noise prediction with adapted states against old-encoder states.
+    """Relative error of the U-Net's noise prediction with adapted states against old-encoder states,
+    per prompt (a (prompts,) tensor for each ratio).
 
     Two ratios, averaged over prompts, timesteps and seeds: ||e_adapted - e_old|| / ||e_old||, and
     the same error against what the text changes at all, ||e_old - e_empty|| (e_empty: the old
@@ -556,7 +617,9 @@ def unet_noise_error(unet, predicted: torch.Tensor, true: torch.Tensor, empty: t
             err = (eps - eps_old).flatten(1).norm(dim=1)
             vs_eps.append(err / eps_old.flatten(1).norm(dim=1))
             vs_text.append(err / (eps_old - eps_empty).flatten(1).norm(dim=1).clamp_min(1e-12))
-    return {"unet_rel_error": float(torch.cat(vs_eps).mean()), "unet_rel_to_text_effect": float(torch.cat(vs_text).mean())}
+    # Per prompt: the mean over seeds and timesteps (each entry of the lists is one of those runs).
+    return {"unet_rel_error": torch.stack(vs_eps).mean(0).double(),
+            "unet_rel_to_text_effect": torch.stack(vs_text).mean(0).double()}
 
 
 @dataclass
@@ -626,51 +689,90 @@ def compare_adapters(new: TextEncoder, old: TextEncoder, prompts: list[str], kin
                 pred = adapters[method](test_new)
         else:
             continue
-        report.methods[method] = token_metrics(pred, test, train_mean)
+        parts = _prompt_parts(pred, test, train_mean)
+        report.methods[method] = _aggregate(parts)
+        report.methods[method]["interval"] = bootstrap_intervals(parts, seed=seed)
         if unet is not None:
-            report.methods[method].update(unet_noise_error(unet, pred[:count], test.old[:count].float(), empty,
-                                                           reference_cache=references))  # fmt: skip
+            unet_parts = unet_noise_error(unet, pred[:count], test.old[:count].float(), empty, reference_cache=references)
+            report.methods[method].update(_aggregate(unet_parts))
+            report.methods[method]["interval"].update(bootstrap_intervals(unet_parts, seed=seed))
     if out_dir:
-        for kind in kinds:
+        for kind in ("lstsq", *kinds):  # lstsq too: it often ties for best
             folder = Path(out_dir) / kind
-            adapters[kind].save_pretrained(folder)
+            with atomic_folder(folder) as tmp:
+                adapters[kind].save_pretrained(tmp)
             report.saved[kind] = str(folder)
         write_json(Path(out_dir) / "report.json", report.to_json())
     return report
 
 
+COLUMNS = [  # (header, metric, definition)
+    ("cos", "cosine", "mean cosine of predicted and true old-encoder states, per token"),
+    ("cos c.", "cosine_centred", "the same after subtracting the training-mean token (what varies)"),
+    ("relMSE [95% CI]", "rel_mse", "||pred - true||^2 / ||true - train mean||^2 over tokens: 0 perfect, 1 no "
+                                   "better than the mean token; bootstrap interval over held-out prompts"),
+    ("bos", "rel_mse_bos", "relMSE on the BOS token"),
+    ("words", "rel_mse_word", "relMSE on word tokens"),
+    ("eos/pad", "rel_mse_eos_padding", "relMSE on EOS (and padding, where the U-Net reads it)"),
+    ("pooled", "pooled_cosine", "cosine of the prompt's mean token, predicted vs true"),
+    ("own-other", None, "pooled similarity to its own prompt minus the mean to other prompts"),
+    ("top-1", "prompt_top1", "share of prompts whose pooled prediction is nearest their own target"),
+]  # fmt: skip
+UNET_COLUMNS = [
+    ("U-Net err [95% CI]", "unet_rel_error", "||eps(adapted) - eps(old)|| / ||eps(old)|| at the frozen U-Net"),
+    ("vs text", "unet_rel_to_text_effect", "the same error over ||eps(old prompt) - eps(old empty prompt)||: "
+                                           "1 means the adapter loses as much as the text changes"),
+]  # fmt: skip
+
+
+def compare_methods(r: AdapterReport, a: str, b: str, metric: str = "rel_mse") -> str:
+    """'better', 'worse' (for a, lower is better) or 'within noise': better only when the 95%
+    bootstrap intervals of the two methods do not overlap."""
+    lo_a, hi_a = r.methods[a]["interval"][metric]
+    lo_b, hi_b = r.methods[b]["interval"][metric]
+    return "better" if hi_a < lo_b else "worse" if lo_a > hi_b else "within noise"
+
+
 def format_report(r: AdapterReport) -> str:
     show = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-    columns = [("cos", "cosine"), ("cos c.", "cosine_centred"), ("relMSE", "rel_mse"), ("bos", "rel_mse_bos"),
-               ("words", "rel_mse_word"), ("eos/pad", "rel_mse_eos_padding"), ("pooled cos", "pooled_cosine"),
-               ("own-other", None), ("top-1", "prompt_top1")]  # fmt: skip
     has_unet = any("unet_rel_error" in m for m in r.methods.values())
-    if has_unet:
-        columns += [("U-Net err", "unet_rel_error"), ("vs text", "unet_rel_to_text_effect")]
-    rows = []
-    for method, m in r.methods.items():
-        row = [method]
-        for _, key in columns:
-            row.append(show(m["prompt_own_cosine"] - m["prompt_other_cosine"]) if key is None else show(m.get(key)))
-        rows.append(row)
+    columns = COLUMNS + (UNET_COLUMNS if has_unet else [])
+
+    def cell(m: dict, key: str | None) -> str:
+        if key is None:
+            return show(m["prompt_own_cosine"] - m["prompt_other_cosine"])
+        if key in ("rel_mse", "unet_rel_error") and key in m.get("interval", {}):
+            lo, hi = m["interval"][key]
+            return f"{show(m.get(key))} [{show(lo)}, {show(hi)}]"
+        return show(m.get(key))
+
+    rows = [[method, *(cell(m, key) for _, key, _ in columns)] for method, m in r.methods.items()]
     out = [f"new encoder: {r.new}", f"old encoder: {r.old}",
            f"prompts: {r.prompts['train']} train / {r.prompts['val']} validation / {r.prompts['test']} held-out test "
            f"({r.tokens['train']:,} training tokens; states {'read from the cache' if r.from_cache else 'encoded and cached'})", ""]  # fmt: skip
-    out.append(format_table(["method", *(c for c, _ in columns)], rows,
-                            title="Held-out prompts (relMSE = ||pred - true||^2 / ||true - train mean||^2; by role: bos, words, eos/pad)"))  # fmt: skip
+    out.append(format_table(["method", *(c for c, _, _ in columns)], rows, title="Held-out prompts"))
+    out.append("\nColumns:")
+    out += [f"  {header:<18} {definition}" for header, _, definition in columns]
     if has_unet:
-        out.append(f"U-Net ({r.unet}): relative error of the noise prediction against the old encoder's, and "
-                   "against what the text changes at all (old prompt vs old empty prompt)")  # fmt: skip
+        out.append(f"  U-Net: {r.unet}")
     best = r.best_linear()
-    if "mlp" in r.methods:
+    if "mlp" in r.methods and "interval" in r.methods["mlp"]:
+        verdict = compare_methods(r, "mlp", best)
         mlp, lin = r.methods["mlp"]["rel_mse"], r.methods[best]["rel_mse"]
-        verdict = "beats" if mlp < lin else "does not beat"
-        out.append(f"\nmlp {verdict} the best linear map ({best}) on held-out relative MSE: {mlp:.4f} vs {lin:.4f} "
+        said = {"better": "beats", "worse": "is worse than", "within noise": "ties (intervals overlap) with"}[verdict]
+        out.append(f"\nmlp {said} the best linear map ({best}) on held-out relMSE: {mlp:.4f} vs {lin:.4f} "
                    f"({100 * (lin - mlp) / lin:+.1f} %)")  # fmt: skip
+    if {"linear", "lstsq"} <= r.methods.keys() and r.methods["linear"]["rel_mse"] > r.methods["lstsq"]["rel_mse"]:
+        history = r.histories.get("linear", [])
+        stopped = f"{len(history) - 1} epochs" if history else "its epochs"
+        out.append(f"linear trails lstsq ({r.methods['linear']['rel_mse']:.4f} vs {r.methods['lstsq']['rel_mse']:.4f}, "
+                   f"{compare_methods(r, 'linear', 'lstsq').replace('worse', 'outside the noise')}): lstsq is the exact "
+                   f"least-squares optimum of the same objective, which training approaches in {stopped} "
+                   "(early stopping on validation)")  # fmt: skip
     for kind, history in r.histories.items():
-        best = min(history, key=lambda h: h["val_rel_mse"])
-        out.append(f"{kind}: {len(history) - 1} epochs, best validation relMSE {best['val_rel_mse']:.4f} "
-                   f"(epoch {best['epoch']})")  # fmt: skip
+        best_epoch = min(history, key=lambda h: h["val_rel_mse"])
+        out.append(f"{kind}: {len(history) - 1} epochs, best validation relMSE {best_epoch['val_rel_mse']:.4f} "
+                   f"(epoch {best_epoch['epoch']})")  # fmt: skip
     for kind, folder in r.saved.items():
         out.append(f"saved {kind} adapter to {folder}")
     return "\n".join(out)

@@ -10,10 +10,10 @@ import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
-import torch
-
 from .common import SdkitError, format_bytes, format_table
-from .loading import CheckpointIndex, TensorInfo, index_checkpoint, module_index
+from .geometry import halved, image_factor, level_depth, native_image_size
+from .checkpoints import CheckpointIndex, index_checkpoint
+from .safetensors_header import TensorInfo
 
 ROLES = (
     "self_attention",
@@ -30,8 +30,7 @@ ROLES = (
     "other",
 )
 CROSS_ATTENTION_ROLES = ROLES[1:4]
-IMAGE_SIZE = 512  # the latent sides reported per level are for this image size
-VAE_FACTOR = 8
+IMAGE_SIZE = 512  # the image side for the per-level grid when the model does not say its own
 
 _CROSS = {"to_q": "cross_attention.query", "to_k": "cross_attention.key_value",
           "to_v": "cross_attention.key_value", "to_out": "cross_attention.output"}  # fmt: skip
@@ -69,18 +68,9 @@ def parameter_level(name: str) -> str:
     """down.i, mid, up.i, or stem for what sits outside the blocks (conv_in/out, time embedding)."""
     block, _, rest = name.partition(".")
     if block in ("down_blocks", "up_blocks"):
-        return f"{block[:-7]}.{rest.partition('.')[0]}"
+        index = rest.partition(".")[0]
+        return f"{block[:-7]}.{index}" if index.isdigit() else "other"
     return "mid" if block == "mid_block" else "stem"
-
-
-def level_depth(level: str, levels: int) -> int:
-    """How many times the latent has been halved at a level (down.i, mid, up.i or stem)."""
-    if level == "stem":
-        return 0
-    if level == "mid":
-        return levels - 1
-    kind, index = level.split(".")
-    return int(index) if kind == "down" else levels - 1 - int(index)
 
 
 @dataclass
@@ -91,6 +81,8 @@ class Audit:
     roles: dict[str, int]
     attention_blocks: dict
     levels: list[dict]
+    image_size: int  # the image side the per-level grid sides are for
+    grid_factor: int  # image pixels per input grid cell: 8 through SD's VAE, 1 for a pixel-space U-Net
     components: dict[str, dict] = field(default_factory=dict)
     bytes_read: int | None = None  # of the checkpoint, when counted from its header
     text_width_swap: dict | None = None
@@ -139,18 +131,22 @@ def _attention_blocks(entries: list[_Entry]) -> dict:
     }
 
 
-def _levels(entries: list[_Entry], image_size: int) -> list[dict]:
+def _levels(entries: list[_Entry], image_size: int, factor: int) -> list[dict]:
     by_level: dict[str, list[_Entry]] = {}
     for e in entries:
         by_level.setdefault(e.level, []).append(e)
     index = lambda level: int(level.split(".")[1])  # noqa: E731
     downs = sorted((k for k in by_level if k.startswith("down.")), key=index)
     ups = sorted((k for k in by_level if k.startswith("up.")), key=index)
-    side = image_size // VAE_FACTOR
+    levels = 1 + max((index(k) for k in downs + ups), default=0)
+    side = image_size // factor
     rows = []
-    for level in ["stem", *downs, *(["mid"] if "mid" in by_level else []), *ups]:
+    for level in ["stem", *downs, "mid", *ups, "other"]:
+        if level not in by_level:
+            continue
         roles = _sum_roles(by_level[level])
-        rows.append({"name": level, "latent_side": side >> level_depth(level, len(downs)),
+        depth = None if level == "other" else max(0, level_depth(level, levels))
+        rows.append({"name": level, "latent_side": None if depth is None else halved(side, side, depth)[0],
                      "total": sum(roles.values()), "roles": roles})  # fmt: skip
     return rows
 
@@ -185,8 +181,15 @@ def text_width_swap(unet: dict[str, TensorInfo], new_width: int) -> dict:
     }
 
 
-def audit_index(index: CheckpointIndex, context_dim: int | None = None, image_size: int = IMAGE_SIZE) -> Audit:
+def audit_index(index: CheckpointIndex, context_dim: int | None = None, image_size: int | None = None) -> Audit:
+    """Count by role. image_size (the side for the per-level grid) defaults to the model's native
+    one when its config says it (SD 1.5: 512, SD 2.1: 768, SDXL: 1024), else 512."""
     unet = index.unet
+    config = index.config or {"in_channels": next((i.shape[1] for n, i in unet.items() if n == "conv_in.weight"), 4)}
+    factor = image_factor(config)
+    image_size = image_size or native_image_size(config) or IMAGE_SIZE
+    if image_size < factor:
+        raise SdkitError(f"image size {image_size} is smaller than one grid cell ({factor} px)")
     entries = _classify(unet)
     roles = _sum_roles(entries)
     components = {}
@@ -206,20 +209,25 @@ def audit_index(index: CheckpointIndex, context_dim: int | None = None, image_si
         total=sum(roles.values()),
         roles=roles,
         attention_blocks=_attention_blocks(entries),
-        levels=_levels(entries, image_size),
+        levels=_levels(entries, image_size, factor),
+        image_size=image_size,
+        grid_factor=factor,
         components=components,
         bytes_read=index.bytes_read if index.kind != "preset" else None,
         text_width_swap=text_width_swap(unet, context_dim) if context_dim else None,
     )
 
 
-def audit(spec, allow_pickle: bool = False, context_dim: int | None = None, image_size: int = IMAGE_SIZE) -> Audit:
+def audit(spec, allow_pickle: bool = False, context_dim: int | None = None, image_size: int | None = None) -> Audit:
     """Audit a preset, a diffusers folder or a checkpoint file (from its header when .safetensors)."""
     return audit_index(index_checkpoint(spec, allow_pickle), context_dim, image_size)
 
 
-def audit_module(unet: torch.nn.Module, source: str = "module", context_dim: int | None = None) -> Audit:
-    index = CheckpointIndex(source, "module", "diffusers", {"unet": module_index(unet)})
+def audit_module(unet, source: str = "module", context_dim: int | None = None) -> Audit:
+    """Audit a U-Net module (torch.nn.Module) as it is."""
+    from .loading import module_index
+
+    index = CheckpointIndex(source, "module", "diffusers", {"unet": module_index(unet)}, config=dict(getattr(unet, "config", {})))
     return audit_index(index, context_dim)
 
 
@@ -254,7 +262,8 @@ def format_audit(a: Audit) -> str:
     rows = [[lv["name"], lv["latent_side"], *(lv["roles"][r] for r in used), lv["total"]] for lv in a.levels]
     rows.append(["total", "", *(a.roles[r] for r in used), a.total])
     out += ["", format_table(["level", "side", *(_SHORT.get(r, r) for r in used), "total"], rows,
-                             title=f"Per level (side: latent cells per side at {IMAGE_SIZE}x{IMAGE_SIZE} px)")]  # fmt: skip
+                             title=f"Per level (side: {'latent' if a.grid_factor > 1 else 'grid'} cells per side at "
+                                   f"{a.image_size}x{a.image_size} px)")]  # fmt: skip
     if a.components:
         rows = [[c, v["params"], ", ".join(sorted(v["dtypes"])), format_bytes(v["bytes"])] for c, v in a.components.items()]
         out += ["", format_table(["component", "params", "dtype", "bytes"], rows)]

@@ -1,53 +1,170 @@
-"""The `sdkit` command: a thin layer over the library; each subcommand calls one function."""
+"""The `sdkit` command: a thin layer over the library; each subcommand calls library functions.
+
+Arguments and output paths are checked before anything heavy is imported, so a mistake costs a
+second, not the start-up of torch and diffusers.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 import warnings
 
-from .common import SdkitError, write_json
+from .common import SdkitError, check_output, parse_bytes, write_json
+
+PRESET_NAMES = "sd15, sd21, sdxl, tiny, minisd"  # presets.PRESETS, without importing torch to say so
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except where there is none to show."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False, argparse.SUPPRESS) or "%(default)" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _Formatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message):  # one line, like every other input error
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _emit_json(data, target: str) -> None:
-    if target == "-":
-        print(json.dumps(data, indent=2))
-    else:
-        write_json(target, data)
-        print(f"wrote {target}", file=sys.stderr)
+# --- argument types: refuse what would silently become something else ------------------------------
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, not {value}")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = _finite(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, not {text}")
+    return value
+
+
+def nonnegative_float(text: str) -> float:
+    value = _finite(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {text}")
+    return value
+
+
+def _finite(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, not {text}")
+    return value
+
+
+def _sides(text: str) -> tuple[int, ...]:
+    try:
+        sides = tuple(int(side) for side in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of grid sides: {text!r} (e.g. 16,32)") from None
+    if any(side <= 0 for side in sides):
+        raise argparse.ArgumentTypeError(f"grid sides must be positive: {text!r}")
+    return sides
+
+
+def _latent_size(text: str) -> tuple[int, int]:
+    h, _, w = text.lower().partition("x")
+    try:
+        size = int(h), int(w or h)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a latent size: {text!r} (e.g. 64 or 64x96)") from None
+    if min(size) <= 0:
+        raise argparse.ArgumentTypeError(f"latent sides must be positive: {text!r}")
+    return size
+
+
+# --- output ----------------------------------------------------------------------------------------------
 
 
 def _add_json(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", nargs="?", const="-", metavar="FILE",
-                   help="write the result as JSON (to stdout, or to FILE)")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print the result as JSON on stdout instead of the table")
+    p.add_argument("--json-out", metavar="FILE", help="also write the result as JSON to FILE (the table still prints)")
+
+
+def _report(args, data: dict, table: str) -> None:
+    """The table for people, or JSON on stdout with --json; and JSON to --json-out when given."""
+    if args.json_out:
+        write_json(args.json_out, data)
+    if args.json:
+        print(json.dumps(data, indent=2))
+    else:
+        print(table)
+        if args.json_out:
+            print(f"wrote {args.json_out}")
+
+
+def _check_outputs(args, files=(), folders=()) -> None:
+    """Check every output path the command will write, before it starts working."""
+    if getattr(args, "json_out", None):
+        check_output(args.json_out, "--json-out file")
+    for flag in files:
+        if getattr(args, flag, None):
+            check_output(getattr(args, flag), f"--{flag.replace('_', '-')} file")
+    for flag in folders:
+        if getattr(args, flag, None):
+            check_output(getattr(args, flag), f"--{flag.replace('_', '-')} folder", folder=True)
+
+
+def _check_input(path: str, what: str) -> None:
+    from pathlib import Path
+
+    if not Path(path).exists():
+        raise SdkitError(f"{path}: no such file or folder ({what})")
+
+
+# --- commands ------------------------------------------------------------------------------------------------
 
 
 def cmd_audit(args) -> None:
+    _check_outputs(args)
     from .audit import audit, format_audit
 
     result = audit(args.model, allow_pickle=args.allow_pickle, context_dim=args.context_dim, image_size=args.image_size)
-    if args.json:
-        _emit_json(result.to_json(), args.json)
-    if args.json != "-":
-        print(format_audit(result))
+    _report(args, result.to_json(), format_audit(result))
 
 
 def cmd_scoretable(args) -> None:
+    _check_outputs(args, files=("plot",))
     from tqdm import tqdm
 
     from .scoretable import (format_measurements, format_score_tables, measure, plot, resolve_device,
                              score_tables)  # fmt: skip
 
-    height = args.height or args.size
-    tables = score_tables(height, args.width or height, args.preset, args.dtype, args.batch, args.cfg)
+    height = args.height if args.height is not None else args.size
+    width = args.width if args.width is not None else height
+    tables = score_tables(height, width, args.preset, args.dtype, args.batch, args.cfg)
     measured = []
     if args.measure:
         finest = tables.levels[0]
@@ -60,37 +177,43 @@ def cmd_scoretable(args) -> None:
                                args.chunk_budget, args.budget, args.repeats, progress=bar)  # fmt: skip
     if args.plot:
         plot(tables, measured, args.plot, args.chunk_budget)
-    if args.json:
-        from dataclasses import asdict
+    from dataclasses import asdict
 
-        _emit_json({**tables.to_json(), "measured": [asdict(m) for m in measured]}, args.json)
-    if args.json != "-":
-        print(format_score_tables(tables))
-        if measured:
-            print("\n" + format_measurements(measured))
-        if args.plot:
-            print(f"\nwrote {args.plot}")
+    table = format_score_tables(tables)
+    if measured:
+        table += "\n\n" + format_measurements(measured)
+    if args.plot:
+        table += f"\n\nwrote {args.plot}"
+    _report(args, {**tables.to_json(), "measured": [asdict(m) for m in measured]}, table)
 
 
 def cmd_condition(args) -> None:
+    _check_outputs(args, folders=("maps",))
+    if args.tokenizer and not args.text_encoder:
+        raise SdkitError("--tokenizer needs --text-encoder (the tokenizer labels the encoder's tokens)")
+    if args.unet not in PRESET_NAMES.split(", "):
+        _check_input(args.unet, "--unet")
+    if args.text_encoder:
+        _check_input(args.text_encoder, "--text-encoder")
     from tqdm import tqdm
 
-    from .conditioning import (check_width, compare_conditionings, format_comparison, prompt_conditionings,
-                               synthetic_conditionings, write_maps)  # fmt: skip
+    from .conditioning import (check_width, compare_conditionings, format_comparison, preflight,
+                               prompt_conditionings, synthetic_conditionings, write_maps)  # fmt: skip
     from .encoders import load_text_encoder
     from .loading import load_unet
     from .presets import PRESETS
     from .scoretable import resolve_device
 
     device = resolve_device(args.device)
-    unet = load_unet(args.unet, allow_pickle=args.allow_pickle).to(device)
+    unet = load_unet(args.unet, allow_pickle=args.allow_pickle)
+    preflight(unet, args.latent_size, device, maps=bool(args.maps))
+    unet = unet.to(device)
     note = "preset with RANDOM weights: the numbers show the mechanism, not what a trained model reads" \
         if args.unet in PRESETS else ""  # fmt: skip
     if args.text_encoder:
-        encoder = load_text_encoder(args.text_encoder, args.tokenizer, layer=args.layer)
+        encoder = load_text_encoder(args.text_encoder, args.tokenizer, layer=args.layer,
+                                    allow_pickle=args.allow_pickle)  # fmt: skip
         conditioning = prompt_conditionings(encoder, args.prompt)
-    elif args.tokenizer:
-        raise SdkitError("--tokenizer needs --text-encoder (the tokenizer labels the encoder's tokens)")
     else:
         conditioning = synthetic_conditionings(unet.config.cross_attention_dim, seed=args.seed)
     check_width(unet, conditioning)
@@ -98,14 +221,11 @@ def cmd_condition(args) -> None:
         result = compare_conditionings(unet, conditioning, args.latent_size, args.timestep, args.seed,
                                        maps=bool(args.maps), map_sides=args.map_sides, unet_name=args.unet, note=note,
                                        progress=bar)  # fmt: skip
+    table = format_comparison(result)
     if args.maps:
         paths = write_maps(result, conditioning, args.maps, shared_scale=args.shared_scale)
-    if args.json:
-        _emit_json(result.to_json(), args.json)
-    if args.json != "-":
-        print(format_comparison(result))
-        if args.maps:
-            print(f"\nwrote {len(paths)} PNG maps to {args.maps} (overview: {paths[-1]})")
+        table += f"\n\nwrote {len(paths)} PNG maps to {args.maps} (overview: {paths[-1]})"
+    _report(args, result.to_json(), table)
 
 
 def cmd_adapter(args) -> None:
@@ -128,26 +248,28 @@ def _run_comparison(args, new_dir, old_dir, prompts, note: str | None = None) ->
     from .adapter import compare_adapters, format_report
     from .encoders import load_text_encoder
     from .loading import load_unet
-
-    new = load_text_encoder(new_dir, layer=args.new_layer)
-    old = load_text_encoder(old_dir, layer=args.old_layer)
-    unet = load_unet(args.unet, allow_pickle=args.allow_pickle) if args.unet != "none" else None
-    kinds = [k for k in args.kinds.split(",") if k]
     from .presets import PRESETS
 
+    new = load_text_encoder(new_dir, layer=args.new_layer, allow_pickle=args.allow_pickle)
+    old = load_text_encoder(old_dir, layer=args.old_layer, allow_pickle=args.allow_pickle)
+    unet = load_unet(args.unet, allow_pickle=args.allow_pickle) if args.unet != "none" else None
+    kinds = [k for k in args.kinds.split(",") if k]
     unet_name = f"{args.unet} preset, RANDOM weights: shows the check, not a trained SD U-Net" \
         if args.unet in PRESETS else args.unet  # fmt: skip
     report = compare_adapters(new, old, prompts, kinds, _train_config(args), unet, unet_name, args.cache,
                               args.out, args.checkpoints, seed=args.seed, progress=not args.json)  # fmt: skip
-    if args.json:
-        _emit_json({"encoders": note, **report.to_json()}, args.json)
-    if args.json != "-":
-        if note:
-            print(f"Encoders: {note}\n")
-        print(format_report(report))
+    table = format_report(report)
+    if note:
+        table = f"Encoders: {note}\n\n{table}"
+    _report(args, {"encoders": note, **report.to_json()}, table)
+
+
+def _check_training_outputs(args) -> None:
+    _check_outputs(args, folders=("out", "cache", "checkpoints"))
 
 
 def cmd_adapter_demo(args) -> None:
+    _check_training_outputs(args)
     from .adapter import available_pair, generate_prompts
 
     new_dir, old_dir, note = available_pair(args.encoders_dir)
@@ -155,6 +277,9 @@ def cmd_adapter_demo(args) -> None:
 
 
 def cmd_adapter_train(args) -> None:
+    _check_training_outputs(args)
+    for flag in ("new", "old"):
+        _check_input(getattr(args, flag), f"--{flag}")
     from .adapter import generate_prompts, read_prompts
 
     prompts = read_prompts(args.corpus) if args.corpus else generate_prompts(args.generate, seed=args.seed)
@@ -162,6 +287,9 @@ def cmd_adapter_train(args) -> None:
 
 
 def cmd_adapter_encode(args) -> None:
+    check_output(args.out, "--out file")
+    _check_input(args.adapter, "--adapter")
+    _check_input(args.new, "--new")
     from safetensors.torch import save_file
 
     from .adapter import adapted_embeddings, load_adapter
@@ -169,7 +297,7 @@ def cmd_adapter_encode(args) -> None:
     from .encoders import load_text_encoder
 
     adapter = load_adapter(args.adapter)
-    encoder = load_text_encoder(args.new, layer=args.new_layer)
+    encoder = load_text_encoder(args.new, layer=args.new_layer, allow_pickle=args.allow_pickle)
     tensors = {"prompt_embeds": adapted_embeddings(adapter, encoder, args.prompts).contiguous()}
     if args.negative is not None:
         negative = adapted_embeddings(adapter, encoder, [args.negative] * len(args.prompts))
@@ -180,61 +308,142 @@ def cmd_adapter_encode(args) -> None:
     print(f"wrote {args.out}: {shapes}")
 
 
-def _sides(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(side) for side in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a list of grid sides: {text!r} (e.g. 16,32)") from None
+def cmd_minisd(args) -> None:
+    if not args.minisd_command:
+        from .minisd import explanation
+
+        print(explanation(args.model, args.encoders_dir))
+        return
+    args.minisd_func(args)
 
 
-def _latent_size(text: str) -> tuple[int, int]:
-    h, _, w = text.lower().partition("x")
-    try:
-        return int(h), int(w or h)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a latent size: {text!r} (e.g. 64 or 64x96)") from None
+def cmd_minisd_train(args) -> None:
+    _check_outputs(args, folders=("out", "cache", "checkpoints"))
+    from .encoders import load_text_encoder
+    from .minisd.train import TrainSettings, train
+
+    settings = TrainSettings(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+                             image_size=args.image_size, conditioning=args.conditioning,
+                             empty_fraction=args.empty_fraction)  # fmt: skip
+    settings.check()
+    folder = args.text_encoder or os.path.join(args.encoders_dir, "all-MiniLM-L6-v2")
+    _check_input(folder, "the text encoder; python scripts/get_real_encoders.py puts it in weights/encoders")
+    encoder = load_text_encoder(folder, allow_pickle=args.allow_pickle)
+    result = train(args.out, encoder, settings, checkpoint_dir=args.checkpoints, checkpoint_every=args.checkpoint_every,
+                   cache_dir=args.cache, progress=not args.json)  # fmt: skip
+    from dataclasses import asdict
+
+    resumed = f", resumed from step {result.resumed_from}" if result.resumed_from else ""
+    last = result.history[-1]["loss"] if result.history else float("nan")
+    table = (f"trained {result.steps} steps{resumed} in {result.seconds:.0f} s ({result.samples_per_second:.1f} "
+             f"samples/s); last loss {last:.4f}\nsaved the EMA weights to {result.folder}")  # fmt: skip
+    _report(args, asdict(result), table)
+
+
+def _pipeline(args):
+    from .minisd.pipeline import MiniSDPipeline
+
+    _check_input(args.model, "--model")
+    return MiniSDPipeline.from_pretrained(args.model, args.text_encoder, args.encoders_dir, allow_pickle=args.allow_pickle)
+
+
+def cmd_minisd_sample(args) -> None:
+    _check_outputs(args, files=("out",))
+    from tqdm import tqdm
+
+    from .minisd.evaluate import sample_grid
+
+    pipe = _pipeline(args)
+    prompts = [p for p in args.prompts for _ in range(args.seeds)]
+    seeds = [args.first_seed + s for _ in args.prompts for s in range(args.seeds)]
+    with tqdm(total=len(prompts), desc="sampling", unit="image", leave=False, disable=args.json) as bar:
+        out = pipe(prompts, seeds, args.guidance, args.steps, args.sampler, progress=bar)
+    title = f"{args.model}: {args.sampler} {args.steps} steps, guidance {args.guidance:g}"
+    sample_grid(out.images, prompts, seeds, args.out, title)
+    _report(args, {"model": args.model, "prompts": prompts, "seeds": seeds, "guidance_scale": args.guidance,
+                   "steps": args.steps, "sampler": args.sampler, "grid": args.out},
+            f"wrote {len(prompts)} images to {args.out} ({title})")  # fmt: skip
+
+
+def cmd_minisd_eval(args) -> None:
+    _check_outputs(args, files=("panel",))
+    from tqdm import tqdm
+
+    from .minisd.evaluate import SETS, draw_panel, evaluate, format_evaluation
+
+    sets = [s for s in args.sets.split(",") if s]
+    unknown = set(sets) - set(SETS)
+    if unknown:
+        raise SdkitError(f"unknown prompt set {sorted(unknown)[0]!r}; choose from {', '.join(SETS)}")
+    pipe = _pipeline(args)
+    images = args.count * len(sets) * (1 if args.no_floors else 3)
+    with tqdm(total=images, desc="generating", unit="image", leave=False, disable=args.json) as bar:
+        ev = evaluate(pipe, sets, args.count, args.guidance, args.steps, args.sampler, floors=not args.no_floors,
+                      model_name=args.model, progress=bar)  # fmt: skip
+    table = format_evaluation(ev)
+    if args.panel:
+        draw_panel(ev, args.panel)
+        table += f"\nwrote {args.panel}"
+    _report(args, ev.to_json(), table)
+
+
+def cmd_memory(args) -> None:
+    _check_outputs(args, files=("plot",))
+    from tqdm import tqdm
+
+    from .memory import format_report, plot, run
+
+    with tqdm(desc="memories scored", unit="mem", unit_scale=True, leave=False, disable=args.json) as bar:
+        report = run(args.quick, args.encoders_dir, args.minisd, progress=bar)
+    table = format_report(report)
+    if args.plot:
+        plot(report, args.plot)
+        table += f"\nwrote {args.plot}"
+    _report(args, report.to_json(), table)
+
+
+# --- the parser ----------------------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="sdkit", description="Look inside the cross-attention of Stable "
                                      "Diffusion 1.x U-Nets (and SD 2.x / SDXL). Offline; see README.md.")  # fmt: skip
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     p = sub.add_parser("audit", help="count a U-Net's parameters by role (attention vs MLP vs ...)",
                        description="Count a U-Net's parameters by role. A .safetensors file is counted "
                                    "from its header alone, without reading tensor data.")  # fmt: skip
     p.add_argument("model", nargs="?", default="sd15",
-                   help="preset (sd15, sd21, sdxl, tiny), diffusers folder, or checkpoint file (default: sd15)")  # fmt: skip
-    p.add_argument("--context-dim", type=int, metavar="N",
+                   help=f"preset ({PRESET_NAMES}), diffusers folder, or checkpoint file")  # fmt: skip
+    p.add_argument("--context-dim", type=positive_int, metavar="N",
                    help="also report what a text encoder of width N changes in the U-Net (e.g. 1024)")  # fmt: skip
-    p.add_argument("--image-size", type=int, default=512, help="image size for the latent side per level")
+    p.add_argument("--image-size", type=positive_int, metavar="PX",
+                   help="image side for the latent side per level (default: the model's native size)")  # fmt: skip
     p.add_argument("--allow-pickle", action="store_true",
                    help="read .ckpt/.bin/.pt files (with torch.load(weights_only=True))")  # fmt: skip
     _add_json(p)
     p.set_defaults(func=cmd_audit)
 
-    from .common import parse_bytes
-
     p = sub.add_parser("scoretable", help="score-table sizes: the latent grid against pixel-level attention",
                        description="Exact self-attention score-table sizes per U-Net level and for a pixel-level "
                                    "model; with --measure, one attention run naive, chunked and with SDPA.")  # fmt: skip
-    p.add_argument("--size", type=int, default=512, help="square image side in pixels (default 512)")
-    p.add_argument("--height", type=int, help="image height (with --width, for non-square images)")
-    p.add_argument("--width", type=int, help="image width")
-    p.add_argument("--preset", default="sd15", help="U-Net whose levels, heads and head sizes to use (default sd15)")
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--size", type=positive_int, default=512, help="square image side in pixels")
+    p.add_argument("--height", type=positive_int, help="image height (with --width, for non-square images)")
+    p.add_argument("--width", type=positive_int, help="image width (default: the height)")
+    p.add_argument("--preset", default="sd15", help="U-Net whose levels, heads and head sizes to use")
+    p.add_argument("--batch", type=positive_int, default=1, help="images per batch")
     p.add_argument("--cfg", action="store_true", help="classifier-free guidance (doubles the batch)")
-    p.add_argument("--dtype", default="float16", help="dtype of the analytic tables (default float16)")
+    p.add_argument("--dtype", default="float16", help="dtype of the analytic tables")
     p.add_argument("--measure", action="store_true", help="also run one self-attention and measure it")
-    p.add_argument("--tokens", type=int, help="tokens to measure at (default: the finest latent level)")
-    p.add_argument("--heads", type=int, help="heads to measure with (default: the finest level's)")
-    p.add_argument("--head-dim", type=int, help="head size to measure with (default: the finest level's)")
-    p.add_argument("--measure-dtype", help="dtype to measure in (default float16 on CUDA, float32 on CPU)")
+    p.add_argument("--tokens", type=positive_int, help="tokens to measure at (default: the finest latent level)")
+    p.add_argument("--heads", type=positive_int, help="heads to measure with (default: the finest level's)")
+    p.add_argument("--head-dim", type=positive_int, help="head size to measure with (default: the finest level's)")
+    p.add_argument("--measure-dtype", help="dtype to measure in (default: float16 on CUDA, float32 on CPU)")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
     p.add_argument("--implementations", default="naive,chunked,sdpa", help="comma-separated subset")
     p.add_argument("--budget", type=parse_bytes, help="memory to allow (default: what the device has free)")
-    p.add_argument("--chunk-budget", type=parse_bytes, default="64MiB", help="scores per chunk (default 64MiB)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per implementation (median reported)")
+    p.add_argument("--chunk-budget", type=parse_bytes, default="64MiB", help="bytes of scores per chunk")
+    p.add_argument("--repeats", type=positive_int, default=3, help="timed runs per implementation (median reported)")
     p.add_argument("--plot", metavar="FILE.png", help="draw tokens against bytes, log-log")
     _add_json(p)
     p.set_defaults(func=cmd_scoretable)
@@ -242,19 +451,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("condition", help="single- vs multi-token conditioning, seen in the cross-attention",
                        description="Run one U-Net, latent and timestep under single-token, repeated-token and "
                                    "multi-token conditioning and trace every cross-attention layer.")  # fmt: skip
-    p.add_argument("--unet", default="tiny", help="preset (random weights), diffusers folder or checkpoint (default tiny)")
-    p.add_argument("--prompt", default="a photo of a red cat sitting on a blue chair")
+    p.add_argument("--unet", default="tiny", help="preset (random weights), diffusers folder or checkpoint")
+    p.add_argument("--prompt", default="a photo of a red cat sitting on a blue chair", help="the prompt to encode")
     p.add_argument("--text-encoder", metavar="DIR", help="local transformers text encoder (or SD pipeline folder)")
     p.add_argument("--tokenizer", metavar="DIR", help="its tokenizer, when not beside it")
     p.add_argument("--layer", default="last", help="text-encoder layer the U-Net reads: last (SD 1.x) or penultimate (SD 2.x)")
     p.add_argument("--latent-size", type=_latent_size, help="latent grid, e.g. 64 or 64x96 (default: the U-Net's sample size)")
-    p.add_argument("--timestep", type=int, default=500)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timestep", type=nonnegative_int, default=500, help="diffusion timestep of the forward pass")
+    p.add_argument("--seed", type=int, default=0, help="seed of the latent (and of synthetic tokens)")
     p.add_argument("--maps", metavar="DIR", help="write a PNG heatmap per word and an overview grid here")
     p.add_argument("--shared-scale", action="store_true", help="one colour scale for all maps")
     p.add_argument("--map-sides", type=_sides, help="only layers with these grid sides in the maps, e.g. 16,32")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
-    p.add_argument("--allow-pickle", action="store_true")
+    p.add_argument("--allow-pickle", action="store_true", help="read pickle weights (with weights_only=True)")
     _add_json(p)
     p.set_defaults(func=cmd_condition)
 
@@ -263,29 +472,30 @@ def build_parser() -> argparse.ArgumentParser:
                                    "Without a subcommand, explains itself.")  # fmt: skip
     p.set_defaults(func=cmd_adapter)
     p.add_argument("--encoders-dir", default="weights/encoders", help=argparse.SUPPRESS)
-    adapter_sub = p.add_subparsers(dest="adapter_command", metavar="SUBCOMMAND")
+    adapter_sub = p.add_subparsers(dest="adapter_command", metavar="SUBCOMMAND", parser_class=_Parser)
 
     def training_options(q, default_out):
-        q.add_argument("--kinds", default="linear,mlp", help="adapters to train (default linear,mlp)")
+        q.add_argument("--kinds", default="linear,mlp", help="adapters to train")
         q.add_argument("--unet", default="tiny", help="frozen U-Net for the noise-prediction check (preset, folder, "
-                                                      "file, or none; default tiny)")  # fmt: skip
+                                                      "file, or none)")  # fmt: skip
         q.add_argument("--new-layer", default="last", help="layer read from the new encoder (last or penultimate)")
         q.add_argument("--old-layer", default="last", help="layer the U-Net was trained on (SD 1.x: last)")
-        q.add_argument("--epochs", type=int, default=24)
-        q.add_argument("--patience", type=int, default=8, help="early stopping: epochs without improvement")
-        q.add_argument("--lr", type=float, default=2e-3)
-        q.add_argument("--batch-size", type=int, default=256, help="tokens per batch")
-        q.add_argument("--hidden-dim", type=int, help="mlp hidden width (default: the old encoder's width)")
-        q.add_argument("--cosine-weight", type=float, default=0.0, help="add w * (1 - cosine) to the per-token MSE")
-        q.add_argument("--seed", type=int, default=0)
+        q.add_argument("--epochs", type=positive_int, default=24, help="most training epochs")
+        q.add_argument("--patience", type=positive_int, default=8, help="early stopping: epochs without improvement")
+        q.add_argument("--lr", type=positive_float, default=2e-3, help="peak learning rate")
+        q.add_argument("--batch-size", type=positive_int, default=256, help="tokens per batch")
+        q.add_argument("--hidden-dim", type=positive_int, help="mlp hidden width (default: the old encoder's width)")
+        q.add_argument("--cosine-weight", type=nonnegative_float, default=0.0,
+                       help="add w * (1 - cosine) to the per-token MSE")  # fmt: skip
+        q.add_argument("--seed", type=int, default=0, help="seed of the split, initialisation and data order")
         q.add_argument("--cache", default="weights/cache", help="where encoded states are cached")
         q.add_argument("--checkpoints", help="write (and resume from) training checkpoints here")
-        q.add_argument("--out", default=default_out, help=f"save the adapters and report.json here (default {default_out})")
-        q.add_argument("--allow-pickle", action="store_true")
+        q.add_argument("--out", default=default_out, help="save the adapters and report.json here")
+        q.add_argument("--allow-pickle", action="store_true", help="read pickle weights (with weights_only=True)")
         _add_json(q)
 
     q = adapter_sub.add_parser("demo", help="the whole comparison on the best encoders available here")
-    q.add_argument("--prompts", type=int, default=600, help="generated prompts (default 600)")
+    q.add_argument("--prompts", type=positive_int, default=600, help="generated prompts")
     q.add_argument("--encoders-dir", default="weights/encoders", help="where to look for (or build) encoders")
     training_options(q, "weights/adapters/demo")
     q.set_defaults(adapter_func=cmd_adapter_demo)
@@ -294,44 +504,121 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--new", required=True, metavar="DIR", help="the new text encoder (transformers folder)")
     q.add_argument("--old", required=True, metavar="DIR", help="the encoder the U-Net was trained with")
     q.add_argument("--corpus", metavar="FILE", help="prompts, one per line (default: generated prompts)")
-    q.add_argument("--generate", type=int, default=2000, help="how many prompts to generate without --corpus")
+    q.add_argument("--generate", type=positive_int, default=2000, help="how many prompts to generate without --corpus")
     training_options(q, "weights/adapters/latest")
     q.set_defaults(adapter_func=cmd_adapter_train)
 
     q = adapter_sub.add_parser("encode", help="write prompt embeddings for a frozen SD 1.x U-Net")
-    q.add_argument("prompts", nargs="+")
+    q.add_argument("prompts", nargs="+", help="the prompts to encode")
     q.add_argument("--adapter", required=True, metavar="DIR", help="a saved adapter folder")
     q.add_argument("--new", required=True, metavar="DIR", help="the new text encoder the adapter reads")
-    q.add_argument("--new-layer", default="last")
+    q.add_argument("--new-layer", default="last", help="layer read from the new encoder (last or penultimate)")
     q.add_argument("--negative", help="also write negative_prompt_embeds for this prompt (e.g. '')")
     q.add_argument("--out", required=True, help="a .safetensors file")
+    q.add_argument("--allow-pickle", action="store_true", help="read pickle weights (with weights_only=True)")
     q.set_defaults(adapter_func=cmd_adapter_encode)
+
+    p = sub.add_parser("minisd", help="the mini Stable Diffusion trained here: train, sample, judge",
+                       description="A small SD-1.x-shaped U-Net on 32x32 pixels, conditioned on all-MiniLM-L6-v2 "
+                                   "token states, trained on captioned shapes whose masks are known. Without a "
+                                   "subcommand, explains itself.")  # fmt: skip
+    p.set_defaults(func=cmd_minisd)
+    p.add_argument("--model", default="weights/minisd", help=argparse.SUPPRESS)
+    p.add_argument("--encoders-dir", default="weights/encoders", help=argparse.SUPPRESS)
+    minisd_sub = p.add_subparsers(dest="minisd_command", metavar="SUBCOMMAND", parser_class=_Parser)
+
+    def encoder_options(q):
+        q.add_argument("--text-encoder", metavar="DIR", help="the text encoder folder (default: the model's, "
+                                                               "from --encoders-dir)")  # fmt: skip
+        q.add_argument("--encoders-dir", default="weights/encoders", help="where the real encoders are")
+        q.add_argument("--allow-pickle", action="store_true", help="read pickle weights (with weights_only=True)")
+
+    def sampling_options(q):
+        q.add_argument("--model", default="weights/minisd", help="a mini SD folder")
+        q.add_argument("--guidance", type=nonnegative_float, default=4.0, help="classifier-free guidance scale")
+        q.add_argument("--steps", type=positive_int, default=25, help="sampling steps")
+        q.add_argument("--sampler", choices=("ddim", "dpm"), default="ddim", help="DDIM or DPM-Solver++")
+        encoder_options(q)
+        _add_json(q)
+
+    q = minisd_sub.add_parser("train", help="train a mini SD (the shipped one: the defaults, ~27 min on 2 CPU cores)")
+    q.add_argument("--out", default="weights/minisd", help="save the model folder here")
+    q.add_argument("--steps", type=positive_int, default=1600, help="optimizer steps")
+    q.add_argument("--batch-size", type=positive_int, default=32, help="images per step")
+    q.add_argument("--lr", type=positive_float, default=1e-3, help="peak learning rate")
+    q.add_argument("--seed", type=int, default=0, help="seed of the data stream, noise and initialisation")
+    q.add_argument("--image-size", type=positive_int, default=32, help="image side in pixels (32 or 64)")
+    q.add_argument("--conditioning", choices=("tokens", "pooled"), default="tokens",
+                   help="tokens: every token state; pooled: their mean, one key/value")  # fmt: skip
+    q.add_argument("--empty-fraction", type=nonnegative_float, default=0.1, help="captions dropped for guidance")
+    q.add_argument("--checkpoints", metavar="DIR", help="write (and resume from) a checkpoint here")
+    q.add_argument("--checkpoint-every", type=positive_int, default=200, help="steps between checkpoints")
+    q.add_argument("--cache", default="weights/cache", help="where the caption states are cached")
+    encoder_options(q)
+    _add_json(q)
+    q.set_defaults(minisd_func=cmd_minisd_train)
+
+    q = minisd_sub.add_parser("sample", help="generate images for prompts, as a PNG grid")
+    q.add_argument("prompts", nargs="+", help="captions, e.g. 'a red circle at the top left'")
+    q.add_argument("--seeds", type=positive_int, default=8, help="images per prompt (seeds first-seed, +1, ...)")
+    q.add_argument("--first-seed", type=int, default=0, help="seed of the first image")
+    q.add_argument("--out", default="minisd-samples.png", help="the PNG grid")
+    sampling_options(q)
+    q.set_defaults(minisd_func=cmd_minisd_sample)
+
+    q = minisd_sub.add_parser("eval", help="judge generated images against their captions, with floors")
+    q.add_argument("--count", type=positive_int, default=64, help="prompts per set")
+    q.add_argument("--sets", default="singles,pairs,held_out_singles,held_out_pairs", help="comma-separated sets")
+    q.add_argument("--no-floors", action="store_true", help="skip the empty-prompt and untrained floors")
+    q.add_argument("--panel", metavar="FILE.png", help="draw samples with the judge's verdicts here")
+    sampling_options(q)
+    q.set_defaults(minisd_func=cmd_minisd_eval)
+
+    p = sub.add_parser("memory", help="attention as key-value memory: capacity of linear, ReLU and softmax stores",
+                       description="Measure how many random (and real) key-value memories a linear, ReLU or "
+                                   "softmax store holds before interference equals the signal, beside the analytic "
+                                   "capacities; tie the result to SD 1.5's attention levels.")  # fmt: skip
+    p.add_argument("--quick", action="store_true", help="small dimensions and memory counts (seconds; for tests)")
+    p.add_argument("--plot", metavar="FILE.png", help="log-log SIR and accuracy against memories")
+    p.add_argument("--encoders-dir", default="weights/encoders", help="where the real encoder for real keys is")
+    p.add_argument("--minisd", default="weights/minisd", help="the mini SD whose cross-attention keys to test")
+    _add_json(p)
+    p.set_defaults(func=cmd_memory)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' per-load bars; ours stay
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 0
-    # Library chatter (deprecations, diffusers' info logs) is not the user's problem.
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    logging.getLogger("diffusers").setLevel(logging.ERROR)
-    logging.getLogger("transformers").setLevel(logging.ERROR)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    name = "sdkit"
     try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 0
+        name = f"sdkit {args.command}"
+        # Library chatter (deprecations, diffusers' info logs) is not the user's problem.
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", module=r"(diffusers|transformers|torch|accelerate|huggingface_hub)(\.|$)")
+        # Their errors reach the user as our one line; their own log lines would be a second.
+        logging.getLogger("diffusers").setLevel(logging.CRITICAL)
+        logging.getLogger("transformers").setLevel(logging.CRITICAL)
         args.func(args)
     except SdkitError as e:
-        print(f"sdkit {args.command}: error: {e}", file=sys.stderr)
+        print(f"{name}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"sdkit {args.command}: interrupted", file=sys.stderr)
+        print(f"{name}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # `sdkit ... | head`: the reader left; say nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as e:  # the machine said no: permissions, a full disk, a vanished file
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"{name}: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -11,6 +11,7 @@ let cells read differently. `compare_conditionings` shows this on any U-Net.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -20,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from diffusers.models.attention_processor import Attention, AttnProcessor, AttnProcessor2_0
 
-from .common import SdkitError, atomic_path, format_table
+from .common import SdkitError, format_table, save_png
 from .encoders import ROLES, TextEncoder, TokenRoles, token_roles
-from .scoretable import halved
+from .geometry import halved
 
 _HINTS = {
     "SlicedAttnProcessor": "attention slicing is on; call pipe.disable_attention_slicing() first",
@@ -63,37 +64,46 @@ class CaptureProcessor:
 
 @dataclass
 class _LayerSums:
-    """Running sums for one layer; memory stays flat however many steps are traced."""
+    """Running sums for one layer, per batch item; memory stays flat however many steps are traced."""
 
-    items: int = 0  # batch items seen (over calls)
-    spread: float = 0.0
-    entropy: float = 0.0
-    token_mass: torch.Tensor | None = None
-    map_sum: torch.Tensor | None = None  # (tokens, H, W) at the latent size
-    map_items: int = 0
+    calls: int = 0
+    spread: torch.Tensor | None = None  # (items,) float64
+    entropy: torch.Tensor | None = None  # (items,)
+    token_mass: torch.Tensor | None = None  # (items, tokens)
     grid: tuple[int, int] | None = None
+    heads: int = 0
 
 
 class CrossAttentionTrace:
-    """Context manager: capture statistics from every cross-attention (attn2) layer of a U-Net.
+    """Context manager: capture every cross-attention (attn2) layer of a U-Net, per prompt.
 
-    Per layer, streamed over calls: the spatial spread of the attention output
+    Per layer and per batch item (with `cfg=True`, per item of the conditional second half, where
+    diffusers' pipelines put it), streamed over calls: the spatial spread of the attention output
     (||O - mean over cells of O|| / ||O||, on the mixed values before to_out), the attention
     entropy per cell (and the effective number of tokens, exp(entropy)), and the attention mass
-    per token (mean over cells and heads). With `maps=True` also per-token maps, averaged over
-    heads and summed over layers and calls, upsampled to the latent size; `map_sides` keeps only
-    layers whose grid height is listed. With `cfg=True` only the conditional (second) half of each
-    batch is measured, as diffusers' pipelines put it there.
+    per token (mean over cells and heads).
+
+    With `maps=True`, per-token maps at each layer's own grid, per item, summed over calls and kept
+    apart by layer (and by timestep with `by_timestep=True`, only the `timesteps` listed when given;
+    per head with `keep_heads=True`); `map_sides` keeps only layers whose grid height is listed.
+    Ask for them with token_maps(item=..., layers=..., timesteps=..., head=...): the mean over what
+    is selected, upsampled to the latent size. save_maps() writes them raw, as safetensors.
 
     Self-attention keeps its processors (and fast path); on exit, every processor is the very
     object it was before, also when the body raises.
     """
 
-    def __init__(self, unet, cfg: bool = False, maps: bool = False, map_sides: tuple[int, ...] | None = None):
+    def __init__(self, unet, cfg: bool = False, maps: bool = False, map_sides: tuple[int, ...] | None = None,
+                 by_timestep: bool = False, timesteps=None, keep_heads: bool = False):  # fmt: skip
         self.unet, self.cfg, self.maps, self.map_sides = unet, cfg, maps, map_sides
+        self.by_timestep, self.keep_heads = by_timestep or timesteps is not None, keep_heads
+        self.timesteps = None if timesteps is None else {int(t) for t in timesteps}
         self.layers: dict[str, _LayerSums] = {}
+        self.map_sums: dict[tuple[str, int | None], torch.Tensor] = {}  # (layer, timestep) -> sums
+        self.map_calls: dict[tuple[str, int | None], int] = {}
         self._original: dict | None = None
         self._latent_size: tuple[int, int] | None = None
+        self._timestep: int | None = None
         self._hook = None
 
     def __enter__(self) -> CrossAttentionTrace:
@@ -113,17 +123,22 @@ class CrossAttentionTrace:
             replaced[name] = CaptureProcessor(self, layer, original[name])
             self.layers.setdefault(layer, _LayerSums())
         self.unet.set_attn_processor(replaced)
-        self._hook = self.unet.register_forward_pre_hook(self._read_latent_size, with_kwargs=True)
+        if isinstance(self.unet, torch.nn.Module):
+            self._hook = self.unet.register_forward_pre_hook(self._read_call, with_kwargs=True)
         return self
 
     def __exit__(self, *exc) -> None:
-        self._hook.remove()
+        if self._hook is not None:
+            self._hook.remove()
         self.unet.set_attn_processor(dict(self._original))  # set_attn_processor consumes its dict
         self._original = None
 
-    def _read_latent_size(self, module, args, kwargs):
+    def _read_call(self, module, args, kwargs):
         sample = args[0] if args else kwargs["sample"]
         self._latent_size = tuple(sample.shape[-2:])
+        timestep = args[1] if len(args) > 1 else kwargs.get("timestep")
+        if timestep is not None:
+            self._timestep = int(torch.as_tensor(timestep).flatten()[0].item())
 
     def _grid(self, cells: int) -> tuple[int, int] | None:
         """The layer's grid: the latent halved until it has `cells` cells."""
@@ -143,47 +158,104 @@ class CrossAttentionTrace:
                 raise SdkitError(f"cfg=True needs (unconditional, conditional) pairs, but {name} got a batch of {batch}")
             probs, mixed = probs[batch // 2 :], mixed[batch // 2 :]
         probs, mixed = probs.float(), mixed.float()
+        items = probs.shape[0]
         s = self.layers[name]
-        if s.token_mass is not None and s.token_mass.shape[0] != tokens:
-            raise SdkitError(f"{name}: the number of text tokens changed within one trace ({s.token_mass.shape[0]} -> {tokens})")
-        out = mixed.transpose(1, 2).flatten(2)  # (batch, cells, heads * head_dim), as to_out sees it
+        if s.token_mass is not None and s.token_mass.shape != (items, tokens):
+            raise SdkitError(f"{name}: the batch or the number of text tokens changed within one trace "
+                             f"({tuple(s.token_mass.shape)} -> {(items, tokens)} items x tokens)")  # fmt: skip
+        out = mixed.transpose(1, 2).flatten(2)  # (items, cells, heads * head_dim), as to_out sees it
         spread = (out - out.mean(dim=1, keepdim=True)).norm(dim=(1, 2)) / out.norm(dim=(1, 2)).clamp_min(1e-30)
-        s.spread += spread.sum().item()
-        s.entropy += torch.special.entr(probs).sum(-1).mean(dim=(1, 2)).sum().item()
-        mass = probs.mean(dim=(1, 2)).sum(0).cpu()
-        s.token_mass = mass if s.token_mass is None else s.token_mass + mass
-        s.items += probs.shape[0]
+        entropy = torch.special.entr(probs).sum(-1).mean(dim=(1, 2))
+        mass = probs.mean(dim=(1, 2))
+        for field_name, value in (("spread", spread), ("entropy", entropy), ("token_mass", mass)):
+            value = value.double().cpu()
+            setattr(s, field_name, value if getattr(s, field_name) is None else getattr(s, field_name) + value)
+        s.calls += 1
+        s.heads = heads
         s.grid = s.grid or self._grid(cells)
-        if self.maps and s.grid and (self.map_sides is None or s.grid[0] in self.map_sides):
-            per_token = probs.mean(1).transpose(1, 2).reshape(probs.shape[0], tokens, *s.grid)
-            per_token = F.interpolate(per_token, size=self._latent_size, mode="bilinear", align_corners=False)
-            total = per_token.sum(0).cpu()
-            s.map_sum = total if s.map_sum is None else s.map_sum + total
-            s.map_items += probs.shape[0]
+        wanted = self.timesteps is None or self._timestep in self.timesteps
+        if self.maps and s.grid and wanted and (self.map_sides is None or s.grid[0] in self.map_sides):
+            per_token = probs.transpose(2, 3).reshape(items, heads, tokens, *s.grid)  # (items, heads, tokens, h, w)
+            if not self.keep_heads:
+                per_token = per_token.mean(1)
+            key = (name, self._timestep if self.by_timestep else None)
+            total = per_token.cpu()
+            self.map_sums[key] = total if key not in self.map_sums else self.map_sums[key] + total
+            self.map_calls[key] = self.map_calls.get(key, 0) + 1
 
-    def summary(self) -> dict[str, dict]:
-        """Per layer: spatial_spread, entropy (nats), effective_tokens, token_mass (list), grid, calls."""
+    def summary(self, item: int | None = None) -> dict[str, dict]:
+        """Per layer: spatial_spread, entropy (nats), effective_tokens, token_mass (list), grid, items
+        (calls x batch items averaged over); of one batch item with `item`, else the mean over items."""
         out = {}
         for name, s in self.layers.items():
-            if not s.items:
+            if not s.calls:
                 raise SdkitError(f"{name}: no cross-attention call was captured (were the processors replaced?)")
-            entropy = s.entropy / s.items
+            pick = (lambda t: t.mean(0)) if item is None else (lambda t: t[item])  # noqa: E731
+            entropy = float(pick(s.entropy)) / s.calls
             out[name] = {
-                "spatial_spread": s.spread / s.items,
+                "spatial_spread": float(pick(s.spread)) / s.calls,
                 "entropy": entropy,
                 "effective_tokens": math.exp(entropy),
-                "token_mass": (s.token_mass / s.items).tolist(),
+                "token_mass": (pick(s.token_mass) / s.calls).tolist(),
                 "grid": list(s.grid) if s.grid else None,
-                "items": s.items,
+                "items": s.calls * (len(s.spread) if item is None else 1),
             }
         return out
 
-    def token_maps(self) -> torch.Tensor:
-        """(tokens, H, W) attention per token at the latent size, mean over the captured layers."""
-        sums = [s for s in self.layers.values() if s.map_sum is not None]
-        if not sums:
-            raise SdkitError("no maps were captured (maps=False, or no layer at the chosen sides)")
-        return sum(s.map_sum for s in sums) / sum(s.map_items for s in sums)
+    @property
+    def items(self) -> int:
+        """Batch items traced per call (the conditional half with cfg=True)."""
+        first = next((s for s in self.layers.values() if s.spread is not None), None)
+        return 0 if first is None else len(first.spread)
+
+    def map_keys(self) -> list[tuple[str, int | None]]:
+        """The (layer, timestep) pairs maps were kept for (timestep None: all steps together)."""
+        return list(self.map_sums)
+
+    def token_maps(self, item: int | None = None, layers=None, timesteps=None, head: int | None = None,
+                   size: tuple[int, int] | None = None) -> torch.Tensor:  # fmt: skip
+        """(tokens, H, W): attention per token, the mean over the selected layers (names, or grid
+        sides as ints), timesteps and heads, upsampled to `size` (default: the latent size); of one
+        batch item, or the mean over items."""
+        keys = [k for k in self.map_sums if _selected(k, layers, timesteps, self.layers)]
+        if not keys:
+            raise SdkitError("no maps were captured for this selection (maps=False, or no layer / timestep matches)")
+        size = size or self._latent_size
+        total = None
+        for key in keys:
+            mean = self.map_sums[key] / self.map_calls[key]
+            if self.keep_heads:
+                mean = mean.mean(1) if head is None else mean[:, head]
+            elif head is not None:
+                raise SdkitError("maps per head need keep_heads=True")
+            mean = mean.mean(0) if item is None else mean[item]
+            up = F.interpolate(mean[None], size=size, mode="bilinear", align_corners=False)[0]
+            total = up if total is None else total + up
+        return total / len(keys)
+
+    def save_maps(self, path) -> None:
+        """The raw maps, one tensor per (layer, timestep): (items, [heads,] tokens, h, w), the mean over
+        calls, as safetensors (atomically)."""
+        from safetensors.torch import save_file
+
+        from .common import atomic_path
+
+        tensors = {f"{layer}@{'all' if t is None else t}": (self.map_sums[(layer, t)] / self.map_calls[(layer, t)]).contiguous()
+                   for layer, t in self.map_sums}  # fmt: skip
+        with atomic_path(path) as tmp:
+            save_file(tensors, str(tmp), metadata={"latent_size": json.dumps(self._latent_size),
+                                                   "keep_heads": str(self.keep_heads)})  # fmt: skip
+
+
+def _selected(key, layers, timesteps, all_layers: dict[str, _LayerSums]) -> bool:
+    layer, timestep = key
+    if layers is not None:
+        sides = {x for x in layers if isinstance(x, int)}
+        names = {x for x in layers if isinstance(x, str)}
+        grid = all_layers[layer].grid
+        if layer not in names and not (grid and grid[0] in sides):
+            return False
+    return timesteps is None or timestep in set(timesteps)
 
 
 # --- comparing conditionings ----------------------------------------------------------------------
@@ -245,6 +317,44 @@ def check_width(unet, conditioning: Conditioning) -> None:
         if states.shape[-1] != width:
             raise SdkitError(f"text states are {states.shape[-1]} wide but the U-Net's cross-attention reads "
                              f"{width}; an adapter can map one to the other (sdkit adapter)")  # fmt: skip
+
+
+RUNTIME_BYTES = 64 * 2**20  # thread pools, kernels' workspaces and allocator slack, whatever the size
+
+
+def predicted_forward_bytes(unet, latent_size: tuple[int, int], tokens: int = 77, maps: bool = False) -> int:
+    """A generous prediction of the peak memory of one traced forward pass: the weights, and twice
+    (for the copies the kernels make) the feature maps kept for the skip connections, the working
+    tensors at the busiest level (GEGLU's 8x-wide projection and its halves), the attention tables
+    the trace computes beside each attn2 (heads x cells x tokens) and, with maps, the per-token maps
+    at the latent size. Checked against measured peaks in tests/test_reliability.py."""
+    config = unet.config
+    element = next(unet.parameters()).element_size()
+    weights = sum(p.numel() * p.element_size() for p in unet.parameters())
+    skips, working, tables = 0, 0, 0
+    heads = config.attention_head_dim if isinstance(config.attention_head_dim, int) else max(config.attention_head_dim)
+    for depth, channels in enumerate(config.block_out_channels):
+        cells = math.prod(halved(*latent_size, depth))
+        skips += (config.layers_per_block + 1) * channels * cells * element
+        working = max(working, 20 * channels * cells * element)
+        tables = max(tables, 3 * heads * cells * tokens * 4)
+    map_bytes = 2 * tokens * math.prod(latent_size) * 4 if maps else 0
+    return weights + 2 * (skips + working + tables + map_bytes) + RUNTIME_BYTES
+
+
+def preflight(unet, latent_size: tuple[int, int] | None, device: str, tokens: int = 77, maps: bool = False,
+              budget: int | None = None) -> None:  # fmt: skip
+    """Refuse, with one line, a traced forward pass that would not fit in the device's free memory."""
+    from .common import available_memory, format_bytes
+
+    side = unet.config.sample_size
+    latent_size = tuple(latent_size or (side, side))
+    need = predicted_forward_bytes(unet, latent_size, tokens, maps)
+    if budget is None:
+        budget = torch.cuda.mem_get_info(torch.device(device))[0] if device.startswith("cuda") else available_memory()
+    if need > budget:
+        raise SdkitError(f"a forward pass at latent {latent_size[0]}x{latent_size[1]} needs about {format_bytes(need)}; "
+                         f"{device} has {format_bytes(budget)} free (choose a smaller --latent-size)")  # fmt: skip
 
 
 def compare_conditionings(unet, conditioning: Conditioning, latent_size: tuple[int, int] | None = None,
@@ -362,7 +472,7 @@ def write_maps(c: Comparison, conditioning: Conditioning, folder, shared_scale: 
         ax.set_title(f"{word!r}: {100 * float(c.maps[named[i][1]].sum(0).mean()):.1f} % of attention")
         ax.axis("off")
         fig.colorbar(shown, ax=ax, fraction=0.046)
-        paths.append(_save_png(fig, folder / f"{i:02d}_{_file_name(word)}.png"))
+        paths.append(save_png(fig, folder / f"{i:02d}_{_file_name(word)}.png"))
     cols = min(6, len(images))
     rows = -(-len(images) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(2.2 * cols, 2.4 * rows), dpi=100, squeeze=False)
@@ -372,18 +482,9 @@ def write_maps(c: Comparison, conditioning: Conditioning, folder, shared_scale: 
         ax.imshow(image.numpy(), cmap="inferno", vmin=vmin, vmax=vmax)
         ax.set_title(word, fontsize=9)
     fig.suptitle(f"Cross-attention per word ({c.unet}, {'shared' if shared_scale else 'own'} colour scale)", fontsize=10)
-    paths.append(_save_png(fig, folder / "overview.png"))
+    paths.append(save_png(fig, folder / "overview.png"))
     return paths
 
 
 def _file_name(word: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "_", word).strip("_")[:40] or "token"
-
-
-def _save_png(fig, path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", bbox_inches="tight")
-    plt.close(fig)
-    return path

@@ -7,6 +7,7 @@ diffusers' SD 2.x folders store the tower already cut to 23 of 24 layers: "last"
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import string
@@ -52,6 +53,10 @@ class TextEncoder:
         return self.tokenizer(list(prompts), padding=padding, max_length=self.max_length, truncation=True,
                               return_tensors="pt")  # fmt: skip
 
+    def real_mask(self, prompts: list[str]) -> torch.Tensor:
+        """(batch, max_length) bool: the positions that hold a token (BOS, words, EOS), not padding."""
+        return self.tokenize(prompts)["attention_mask"].bool()
+
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> torch.Tensor:
         """Per-token states (batch, max_length, width) from the configured layer."""
@@ -82,9 +87,11 @@ def _uses_attention_mask(model) -> bool:
 
 
 def load_text_encoder(folder: str | os.PathLike, tokenizer_folder: str | os.PathLike | None = None,
-                      layer: str = "last", device: str = "cpu", context_length: int = 77) -> TextEncoder:  # fmt: skip
+                      layer: str = "last", device: str = "cpu", context_length: int = 77,
+                      allow_pickle: bool = False) -> TextEncoder:  # fmt: skip
     """A text encoder from a local folder: an SD pipeline folder (text_encoder/ + tokenizer/) or a
-    model folder holding both."""
+    model folder holding both. Weights are read from safetensors; pickle weights (pytorch_model.bin)
+    only with allow_pickle, and then with torch.load(weights_only=True)."""
     from transformers import AutoConfig, AutoModel, AutoTokenizer, CLIPTextModel
 
     if layer not in LAYERS:
@@ -97,14 +104,44 @@ def load_text_encoder(folder: str | os.PathLike, tokenizer_folder: str | os.Path
         folder / "tokenizer" if (folder / "tokenizer").is_dir() else model_dir)  # fmt: skip
     if not (model_dir / "config.json").is_file():
         raise SdkitError(f"{folder}: no config.json here or in text_encoder/")
+    if not any(model_dir.glob("*.safetensors")):
+        if not allow_pickle:
+            raise SdkitError(f"{model_dir}: no safetensors weights here; pickle weights can run code when loaded: "
+                             "convert them to .safetensors, or pass --allow-pickle (read with weights_only=True)")  # fmt: skip
+        if not any(model_dir.glob("*.bin")):
+            raise SdkitError(f"{model_dir}: no text-encoder weights here (no .safetensors or .bin files)")
     try:
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
         cls = CLIPTextModel if config.model_type in ("clip_text_model", "clip") else AutoModel
-        model = cls.from_pretrained(model_dir, local_files_only=True).to(device).eval()
+        model = cls.from_pretrained(model_dir, local_files_only=True,
+                                    use_safetensors=None if allow_pickle else True).to(device).eval()  # fmt: skip
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise SdkitError(f"{folder}: cannot load the text encoder ({str(e).strip().splitlines()[0]})") from None
     return TextEncoder(tokenizer, model, layer, str(folder), context_length)
+
+
+def encoder_fingerprint(encoder: TextEncoder) -> dict:
+    """What decides an encoder's states: its config, tokenizer, weights files and settings.
+
+    Weights files are identified by name, size and modification time (hashing GBs per run would
+    cost more than the encoding the cache saves).
+    """
+    model_dir, tokenizer_dir = Path(encoder.model.name_or_path), Path(encoder.tokenizer.name_or_path)
+    files = sorted(p for p in model_dir.iterdir() if p.is_file() and p.suffix in (".safetensors", ".bin"))
+    digest = hashlib.sha256()
+    for p in sorted(tokenizer_dir.iterdir()):
+        if p.name in ("vocab.json", "merges.txt", "vocab.txt", "tokenizer.json", "tokenizer_config.json"):
+            digest.update(p.read_bytes())
+    return {
+        "source": str(model_dir.resolve()),
+        "config": encoder.model.config.to_diff_dict(),
+        "weights": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files],
+        "tokenizer_sha256": digest.hexdigest(),
+        "layer": encoder.layer,
+        "max_length": encoder.max_length,
+    }
+
 
 
 # --- token roles --------------------------------------------------------------------------------
@@ -205,4 +242,26 @@ def write_tiny_clip_encoder(folder: str | os.PathLike, width: int, seed: int = 0
     )  # fmt: skip
     torch.manual_seed(seed)
     CLIPTextModel(config).save_pretrained(folder / "text_encoder")
+    return folder
+
+
+def write_tiny_bert_encoder(folder: str | os.PathLike, width: int, seed: int = 0, layers: int = 2) -> Path:
+    """A randomly initialised BERT-style (masked) encoder of the given width with a WordPiece
+    vocabulary of letters and ~80 caption words, as one model folder: the shape of
+    all-MiniLM-L6-v2, small enough for tests. Words outside it fall apart into ## pieces."""
+    from transformers import BertConfig, BertModel, BertTokenizer
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    words = sorted(set(_TINY_WORDS) | set(
+        "circle square triangle cyan magenta top bottom left right center middle to there is has colored".split()))
+    letters = list(string.ascii_lowercase + string.digits + ",.!?'-")
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *letters, *(f"##{c}" for c in letters), *words]
+    (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    BertTokenizer(str(folder / "vocab.txt"), model_max_length=512).save_pretrained(folder)
+    config = BertConfig(vocab_size=len(vocab), hidden_size=width, num_hidden_layers=layers,
+                        num_attention_heads=max(1, width // 32), intermediate_size=2 * width,
+                        max_position_embeddings=128)  # fmt: skip
+    torch.manual_seed(seed)
+    BertModel(config).save_pretrained(folder)
     return folder

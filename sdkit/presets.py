@@ -1,34 +1,34 @@
-"""Named U-Net architectures, from the diffusers configs shipped in weights/configs."""
+"""Named U-Net architectures, from the diffusers configs shipped in sdkit/configs."""
 
 from __future__ import annotations
 
 import json
 from importlib import resources
 
-import torch
-from accelerate import init_empty_weights
-from diffusers import UNet2DConditionModel
-
 from .common import SdkitError
 
-PRESETS = ("sd15", "sd21", "sdxl", "tiny")
+PRESETS = ("sd15", "sd21", "sdxl", "tiny", "minisd")
 
 
 def preset_config(name: str) -> dict:
     if name not in PRESETS:
         raise SdkitError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
-    text = resources.files("sdkit._configs").joinpath(name, "config.json").read_text()
+    text = resources.files("sdkit.configs").joinpath(name, "config.json").read_text()
     return json.loads(text)
 
 
-def build_unet(config: dict, weights: str = "meta", seed: int = 0) -> UNet2DConditionModel:
+def build_unet(config: dict, weights: str = "meta", seed: int = 0):
     """A U-Net from a diffusers config.
 
     weights="meta": shapes only, no memory (for counting and analytic work);
     weights="random": diffusers' own initialisation under a fixed seed.
     """
-    if weights == "meta":
-        with init_empty_weights():
+    import torch
+    from accelerate import init_empty_weights
+    from diffusers import UNet2DConditionModel
+
+    if weights == "meta":  # with buffers: every tensor is born on the meta device, nothing is allocated
+        with init_empty_weights(include_buffers=True):
             return UNet2DConditionModel.from_config(config)
     if weights == "random":
         torch.manual_seed(seed)

@@ -12,21 +12,19 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from .common import SdkitError, format_bytes, format_table, peak_rss
+from .common import SdkitError, available_memory, format_bytes, format_table, peak_rss
+from .geometry import VAE_FACTOR, halved, image_factor
 
-VAE_FACTOR = 8
 SWEEP_SIZES = (256, 512, 768, 1024, 2048)
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 IMPLEMENTATIONS = ("naive", "chunked", "sdpa")
@@ -84,10 +82,12 @@ def table_bytes(tokens: int, dtype: str, heads: int = 1, batch: int = 1, query_t
     return batch * heads * (tokens if query_tokens is None else query_tokens) * tokens * element_size(dtype)
 
 
-def self_attention_levels(preset: str) -> list[dict]:
-    """Per U-Net depth: heads, head size and how many self-attention layers run there."""
+def self_attention_levels(preset: str) -> tuple[list[dict], int]:
+    """Per U-Net depth: heads, head size and how many self-attention layers run there; and the
+    pixels per grid cell at the input (8 through SD's VAE, 1 for a pixel-space U-Net)."""
     # Imported here: the CPU measurement children import this module and need only torch.
-    from .audit import level_depth, parameter_level
+    from .audit import parameter_level
+    from .geometry import level_depth
     from .presets import build_unet, preset_config
 
     config = preset_config(preset)
@@ -100,32 +100,29 @@ def self_attention_levels(preset: str) -> list[dict]:
         entry = by_depth.setdefault(depth, {"depth": depth, "heads": module.heads,
                                             "head_dim": module.inner_dim // module.heads, "layers": 0})  # fmt: skip
         entry["layers"] += 1
-    return [by_depth[d] for d in sorted(by_depth)]
+    return [by_depth[d] for d in sorted(by_depth)], image_factor(config)
 
 
-def halved(h: int, w: int, times: int) -> tuple[int, int]:
-    """A grid after `times` stride-2 convolutions with padding 1 (they round up)."""
-    for _ in range(times):
-        h, w = -(-h // 2), -(-w // 2)
-    return h, w
-
-
-def latent_grid(height: int, width: int, depth: int) -> tuple[int, int]:
-    """The latent grid at a U-Net depth for an image of height x width pixels."""
-    return halved(height // VAE_FACTOR, width // VAE_FACTOR, depth)
+def latent_grid(height: int, width: int, depth: int, factor: int = VAE_FACTOR) -> tuple[int, int]:
+    """The grid at a U-Net depth for an image of height x width pixels (factor: pixels per input cell)."""
+    return halved(height // factor, width // factor, depth)
 
 
 def score_tables(height: int = 512, width: int | None = None, preset: str = "sd15", dtype: str = "float16",
                  batch: int = 1, cfg: bool = False) -> ScoreTables:  # fmt: skip
     """Exact score-table sizes per self-attention level, for pixels, and over a size sweep."""
-    width = width or height
-    if height <= 0 or width <= 0 or height % VAE_FACTOR or width % VAE_FACTOR:
-        raise SdkitError(f"image size {height}x{width}: both sides must be positive multiples of {VAE_FACTOR}")
+    width = height if width is None else width
     if dtype not in DTYPES:
         raise SdkitError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     if batch < 1:
         raise SdkitError(f"batch must be at least 1, not {batch}")
+    attention_levels, factor = self_attention_levels(preset)
+    if not attention_levels:
+        raise SdkitError(f"{preset} has no self-attention layers")
+    if height <= 0 or width <= 0 or height % factor or width % factor:
+        raise SdkitError(f"image size {height}x{width}: both sides must be positive multiples of {factor}")
     effective = batch * (2 if cfg else 1)
+    grid_name = "latent" if factor > 1 else "grid"
 
     def level(name, grid, heads, head_dim, layers) -> Level:
         tokens = grid[0] * grid[1]
@@ -133,16 +130,17 @@ def score_tables(height: int = 512, width: int | None = None, preset: str = "sd1
         return Level(name, grid, tokens, heads, head_dim, layers, tokens * tokens, per_head, per_head * heads * effective)
 
     levels = []
-    for info in self_attention_levels(preset):
-        grid = latent_grid(height, width, info["depth"])
-        levels.append(level(f"latent {grid[0]}x{grid[1]}", grid, info["heads"], info["head_dim"], info["layers"]))
+    for info in attention_levels:
+        grid = latent_grid(height, width, info["depth"], factor)
+        levels.append(level(f"{grid_name} {grid[0]}x{grid[1]}", grid, info["heads"], info["head_dim"], info["layers"]))
     finest = levels[0]
     pixel = level(f"pixel {height}x{width}", (height, width), finest.heads, finest.head_dim, 0)
 
     sweep = []
-    base = (512 // VAE_FACTOR) ** 2
+    finest_depth = attention_levels[0]["depth"]
+    base = math.prod(latent_grid(512, 512, finest_depth, factor))
     for size in SWEEP_SIZES:
-        tokens = (size // VAE_FACTOR) ** 2
+        tokens = math.prod(latent_grid(size, size, finest_depth, factor))
         sweep.append({
             "size": size, "tokens": tokens, "entries_per_head": tokens**2,
             "bytes_per_head": table_bytes(tokens, dtype),
@@ -163,7 +161,7 @@ def format_score_tables(t: ScoreTables) -> str:
     )]  # fmt: skip
     finest = t.levels[0]
     out.append(
-        f"\nPixel level vs the finest latent level: {t.pixel.tokens / finest.tokens:,.0f}x the cells, "
+        f"\nPixel level vs the finest attention level: {t.pixel.tokens / finest.tokens:,.0f}x the cells, "
         f"{t.pixel.entries_per_head / finest.entries_per_head:,.0f}x the scores per head "
         f"({t.pixel.entries_per_head:,} vs {finest.entries_per_head:,})."
     )
@@ -171,8 +169,8 @@ def format_score_tables(t: ScoreTables) -> str:
              f"{s['cells_vs_512']:g}x", f"{s['table_vs_512']:g}x", format_bytes(s["pixel_bytes_per_head"])]
             for s in t.sweep]  # fmt: skip
     out.append("\n" + format_table(
-        ["image", "latent tokens", "scores per head", "per head", "cells vs 512", "table vs 512", "pixel per head"],
-        rows, title="Size sweep (finest latent level; doubling the side gives 4x the cells and 16x the table)",
+        ["image", "tokens", "scores per head", "per head", "cells vs 512", "table vs 512", "pixel per head"],
+        rows, title="Size sweep (finest attention level; doubling the side gives 4x the cells and 16x the table)",
     ))  # fmt: skip
     return "\n".join(out)
 
@@ -299,8 +297,7 @@ def resolve_device(device: str) -> str:
 def free_bytes(device: str) -> int:
     if device.startswith("cuda"):
         return torch.cuda.mem_get_info(torch.device(device))[0]
-    meminfo = Path("/proc/meminfo").read_text()
-    return int(re.search(r"MemAvailable:\s+(\d+) kB", meminfo).group(1)) * 1024
+    return available_memory()
 
 
 def _inputs(tokens: int, heads: int, head_dim: int, dtype: str, device: str, seed: int = 0):
@@ -387,6 +384,11 @@ def measure(tokens: int, heads: int = 1, head_dim: int = 40, dtype: str = "float
     unknown = set(implementations) - set(IMPLEMENTATIONS)
     if unknown:
         raise SdkitError(f"unknown implementation {sorted(unknown)[0]!r}; choose from {', '.join(IMPLEMENTATIONS)}")
+    for name, value in (("tokens", tokens), ("heads", heads), ("head_dim", head_dim), ("repeats", repeats)):
+        if value <= 0:
+            raise SdkitError(f"{name} must be positive, not {value}")
+    # Naive first when asked for: it is the reference every other result is compared with.
+    implementations = sorted(implementations, key=lambda name: name != "naive")
     rows = chunk_rows(tokens, heads, dtype, chunk_budget)
     cuda = device.startswith("cuda")
     method = ("CUDA caching allocator: max_memory_allocated above the baseline" if cuda else
@@ -468,7 +470,7 @@ def plot(tables: ScoreTables, measurements: list[Measurement], path: str | os.Pa
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .common import atomic_path
+    from .common import save_png
 
     tokens = [2**e for e in range(8, 19)]
     fig, ax = plt.subplots(figsize=(7, 5), dpi=120)
@@ -494,6 +496,4 @@ def plot(tables: ScoreTables, measurements: list[Measurement], path: str | os.Pa
     ax.set_title(f"Self-attention memory against tokens ({tables.height}x{tables.width} image)")
     ax.legend(fontsize=7)
     ax.grid(True, which="both", alpha=0.2)
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png")
-    plt.close(fig)
+    save_png(fig, path)

@@ -7,6 +7,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from sdkit.checkpoints import ORIGINAL_UNET_PREFIX, diffusers_to_original_names  # noqa: E402
+from sdkit.loading import save_single_file  # noqa: E402
 from sdkit.presets import build_unet, preset_config  # noqa: E402
 
 torch.set_num_threads(2)
@@ -51,3 +53,25 @@ def tiny_pair(tmp_path_factory):
     new = write_tiny_clip_encoder(root / "new1024", width=1024, seed=1, layers=1)
     old = write_tiny_clip_encoder(root / "old768", width=768, seed=0, layers=1)
     return load_text_encoder(new), load_text_encoder(old)
+
+
+@pytest.fixture(scope="session")
+def tiny_files(tmp_path_factory, tiny_unet):
+    """The tiny U-Net as an original-layout single file with a VAE and text encoder beside it,
+    as a bare diffusers-layout file, and as a diffusers pipeline folder."""
+    root = tmp_path_factory.mktemp("ckpt")
+    torch.manual_seed(1)
+    extra = {"first_stage_model.decoder.conv_in.weight": torch.randn(8, 4, 3, 3).half(),
+             "cond_stage_model.transformer.text_model.final_layer_norm.weight": torch.randn(768)}  # fmt: skip
+    save_single_file(tiny_unet, root / "original.safetensors", extra=extra)
+    save_single_file(tiny_unet, root / "diffusers.safetensors", layout="diffusers")
+    tiny_unet.save_pretrained(root / "pipeline" / "unet")
+    torch.save({"state_dict": original_state_dict(tiny_unet)}, root / "original.ckpt")
+    return root
+
+
+def original_state_dict(unet, state=None):
+    """A diffusers U-Net's state dict under the original (CompVis) single-file names."""
+    state = state or unet.state_dict()
+    names = diffusers_to_original_names(state, unet.config.layers_per_block)
+    return {ORIGINAL_UNET_PREFIX + names[k]: v for k, v in state.items()}

@@ -139,7 +139,32 @@ def test_comparison_against_baselines(tiny_pair, tiny_unet, tmp_path):
                                "pooled_cosine", "prompt_top1", "unet_rel_to_text_effect"}  # fmt: skip
     assert json.loads((tmp_path / "out" / "report.json").read_text())["methods"]["mlp"]["rel_mse"] == m["mlp"]["rel_mse"]
     assert load_adapter(tmp_path / "out" / "mlp").config.kind == "mlp"
-    assert "the best linear map" in format_report(report)
+    assert load_adapter(tmp_path / "out" / "lstsq").config.kind == "linear"  # saved too: it often ties
+    for method in m.values():
+        lo, hi = method["interval"]["rel_mse"]
+        assert lo <= method["rel_mse"] <= hi
+    text = format_report(report)
+    assert "the best linear map" in text and "Columns:" in text
+    assert max(len(line) for line in text.splitlines()) <= 120
+
+
+def test_bootstrap_verdict_needs_separated_intervals():
+    from sdkit.adapter import AdapterReport, _aggregate, bootstrap_intervals, compare_methods
+
+    def method(mean_error: float) -> dict:  # 40 held-out prompts, the same noisy per-prompt errors
+        noise = torch.rand(40, generator=torch.Generator().manual_seed(0))
+        parts = {"rel_mse.num": (mean_error + 0.3 * noise).double(),
+                 "rel_mse.den": torch.ones(40, dtype=torch.float64)}  # fmt: skip
+        return {**_aggregate(parts), "interval": bootstrap_intervals(parts, samples=400)}
+
+    close = AdapterReport("new", "old", {"train": 1, "val": 1, "test": 40}, {"train": 1, "val": 1, "test": 1}, False,
+                          methods={"lstsq": method(0.300), "mlp": method(0.298)})  # fmt: skip
+    assert close.methods["mlp"]["rel_mse"] < close.methods["lstsq"]["rel_mse"]  # "better" by the point value ...
+    assert compare_methods(close, "mlp", "lstsq") == "within noise"  # ... but not beyond the noise
+    assert "ties (intervals overlap)" in format_report(close)
+    far = AdapterReport("new", "old", close.prompts, close.tokens, False,
+                        methods={"lstsq": method(0.6), "mlp": method(0.2)})  # fmt: skip
+    assert compare_methods(far, "mlp", "lstsq") == "better" and "mlp beats" in format_report(far)
 
 
 def test_cli_adapter(cli, tiny_pair, tmp_path):

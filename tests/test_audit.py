@@ -5,15 +5,16 @@ import torch
 from diffusers.loaders.single_file_utils import convert_ldm_unet_checkpoint
 
 from sdkit.audit import ROLES, audit, audit_module, parameter_role, text_width_swap
-from sdkit.loading import (
+from sdkit.checkpoints import (
     ORIGINAL_UNET_PREFIX,
     diffusers_to_original_names,
     index_checkpoint,
-    load_unet,
-    module_index,
-    save_single_file,
+    original_to_diffusers_names,
 )
+from sdkit.loading import load_unet, module_index, save_single_file
 from sdkit.presets import PRESETS, build_unet, preset_config
+
+from conftest import original_state_dict
 
 SD15_TOTAL = 859_520_964
 
@@ -118,23 +119,41 @@ def test_parameter_roles(name, role):
 # --- checkpoints in both layouts, counted from the header and from the module ------------------
 
 
-def _original_state_dict(unet, state=None):
-    state = state or unet.state_dict()
-    names = diffusers_to_original_names(state, unet.config.layers_per_block)
-    return {ORIGINAL_UNET_PREFIX + names[k]: v for k, v in state.items()}
-
-
 @pytest.mark.parametrize("preset", ["tiny", "sdxl"])
 def test_original_names_match_diffusers_converter(preset):
     unet = build_unet(preset_config(preset))
     state = unet.state_dict()
-    back = convert_ldm_unet_checkpoint(_original_state_dict(unet, state), dict(unet.config))
+    back = convert_ldm_unet_checkpoint(original_state_dict(unet, state), dict(unet.config))
     assert set(back) == set(state)
     assert all(back[k] is v for k, v in state.items())
 
 
+@pytest.mark.parametrize("preset", PRESETS)
+def test_our_original_layout_mapping_is_diffusers_converter(preset):
+    config = preset_config(preset)
+    names = module_index(build_unet(config))
+    original = diffusers_to_original_names(names, config["layers_per_block"])
+    ours = original_to_diffusers_names(original.values())
+    theirs = convert_ldm_unet_checkpoint({ORIGINAL_UNET_PREFIX + o: o for o in original.values()}, config)
+    assert ours == {d: o for d, o in theirs.items() if o is not None}
+    assert set(ours) == set(names)
+
+
+def test_header_audit_imports_neither_torch_nor_diffusers(tiny_files):
+    import subprocess
+    import sys
+
+    code = ("import sys; from sdkit.cli import main; rc = main(['audit', sys.argv[1], '--json']); "
+            "heavy = [m for m in ('torch', 'diffusers', 'transformers', 'safetensors') if m in sys.modules]; "
+            "assert not heavy, heavy; sys.exit(rc)")  # fmt: skip
+    for name in ("original.safetensors", "diffusers.safetensors", "pipeline"):
+        run = subprocess.run([sys.executable, "-c", code, str(tiny_files / name)], capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr
+        assert json.loads(run.stdout)["total"] == 4_494_500
+
+
 def test_original_names_are_the_compvis_names():
-    names = set(_original_state_dict(build_unet(preset_config("sd15"))))
+    names = set(original_state_dict(build_unet(preset_config("sd15"))))
     for key in [
         "time_embed.0.weight", "input_blocks.0.0.weight", "input_blocks.1.0.in_layers.2.weight",
         "input_blocks.1.1.transformer_blocks.0.attn2.to_k.weight", "input_blocks.3.0.op.weight",
@@ -144,21 +163,6 @@ def test_original_names_are_the_compvis_names():
         "out.0.weight", "out.2.bias",
     ]:  # fmt: skip
         assert ORIGINAL_UNET_PREFIX + key in names
-
-
-@pytest.fixture(scope="module")
-def tiny_files(tmp_path_factory, tiny_unet):
-    """The tiny U-Net as an original-layout single file with a VAE and text encoder beside it,
-    as a bare diffusers-layout file, and as a diffusers pipeline folder."""
-    root = tmp_path_factory.mktemp("ckpt")
-    torch.manual_seed(1)
-    extra = {"first_stage_model.decoder.conv_in.weight": torch.randn(8, 4, 3, 3).half(),
-             "cond_stage_model.transformer.text_model.final_layer_norm.weight": torch.randn(768)}  # fmt: skip
-    save_single_file(tiny_unet, root / "original.safetensors", extra=extra)
-    save_single_file(tiny_unet, root / "diffusers.safetensors", layout="diffusers")
-    tiny_unet.save_pretrained(root / "pipeline" / "unet")
-    torch.save({"state_dict": _original_state_dict(tiny_unet)}, root / "original.ckpt")
-    return root
 
 
 @pytest.mark.parametrize("name", ["original.safetensors", "diffusers.safetensors", "pipeline"])

@@ -178,3 +178,39 @@ def test_cli_condition(cli, tiny_encoder_dir, tmp_path):
     assert "RANDOM weights" in data["note"]
     code, out, _ = cli("condition", "--text-encoder", tiny_encoder_dir, "--prompt", "a cat", "--maps", tmp_path)
     assert code == 0 and "Attention mass by token role" in out and (tmp_path / "overview.png").exists()
+
+
+def test_maps_per_prompt_are_each_prompts_own(tiny_unet, tmp_path):
+    # A batch of two prompts (with classifier-free guidance: four rows) gives each prompt the maps and
+    # statistics it gets when run alone, per layer and per timestep.
+    generator = torch.Generator().manual_seed(5)
+    samples, texts = torch.randn(2, 4, 16, 16, generator=generator), torch.randn(2, 77, 768, generator=generator)
+    empty = torch.randn(1, 77, 768, generator=generator).expand(2, -1, -1)
+    with torch.no_grad():
+        with CrossAttentionTrace(tiny_unet, cfg=True, maps=True, by_timestep=True, keep_heads=True) as both:
+            for t in (900, 100):
+                tiny_unet(torch.cat([samples, samples]), t, torch.cat([empty, texts]))
+        alone = []
+        for i in range(2):
+            with CrossAttentionTrace(tiny_unet, maps=True, by_timestep=True, keep_heads=True) as trace:
+                for t in (900, 100):
+                    tiny_unet(samples[i : i + 1], t, texts[i : i + 1])
+            alone.append(trace)
+    assert both.items == 2
+    for i in range(2):
+        for select in ({}, {"timesteps": [900]}, {"layers": [8]}, {"head": 1}, {"layers": [8], "timesteps": [100]}):
+            torch.testing.assert_close(both.token_maps(item=i, **select), alone[i].token_maps(item=0, **select),
+                                       rtol=1e-4, atol=1e-6)  # fmt: skip
+        a, b = both.summary(item=i), alone[i].summary(item=0)
+        for layer in a:
+            assert a[layer]["spatial_spread"] == pytest.approx(b[layer]["spatial_spread"], rel=1e-4)
+            assert a[layer]["token_mass"] == pytest.approx(b[layer]["token_mass"], rel=1e-4, abs=1e-7)
+    assert not torch.allclose(both.token_maps(item=0), both.token_maps(item=1))
+    assert {t for _, t in both.map_keys()} == {900, 100}
+    with pytest.raises(SdkitError, match="no maps"):
+        both.token_maps(timesteps=[500])
+    both.save_maps(tmp_path / "maps.safetensors")
+    from safetensors.torch import load_file
+
+    raw = load_file(tmp_path / "maps.safetensors")
+    assert len(raw) == len(both.map_keys()) and all(v.shape[:3] == (2, 2, 77) for v in raw.values())

@@ -1,0 +1,32 @@
+"""The mini Stable Diffusion trained here: data with an answer key, training, sampling, the judge.
+
+    data.py      captioned shapes with known masks (the generator)
+    judge.py     reads colour, place and shape back from pixels
+    pipeline.py  the model folder and text -> image sampling
+    train.py     `sdkit minisd train`
+    evaluate.py  `sdkit minisd eval`: judged accuracy against floors
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def explanation(model: str = "weights/minisd", encoders_dir: str = "weights/encoders") -> str:
+    have_model = (Path(model) / "minisd.json").is_file()
+    have_encoder = (Path(encoders_dir) / "all-MiniLM-L6-v2" / "config.json").is_file()
+    state = [f"model: {model} {'is here' if have_model else 'is missing (sdkit minisd train writes it)'}",
+             f"text encoder: {Path(encoders_dir) / 'all-MiniLM-L6-v2'} "
+             f"{'is here' if have_encoder else 'is missing (python scripts/get_real_encoders.py)'}"]  # fmt: skip
+    return f"""sdkit minisd: a mini Stable Diffusion that has learned, with an answer key.
+
+An SD-1.x-shaped U-Net (cross-attention down/up blocks, GEGLU feed-forward, a cross-attention mid
+block) that denoises 32x32 RGB pixels directly (no VAE), reading the token states of the frozen,
+pretrained all-MiniLM-L6-v2 encoder (384 wide). It is trained here, on captioned images of one or
+two coloured shapes whose masks are known, so attention maps and generated images can be scored.
+
+  sdkit minisd train                      train (the shipped model: the defaults, ~27 min on 2 CPU cores)
+  sdkit minisd sample "a red circle at the top left" --seeds 8 --out grid.png
+  sdkit minisd eval --panel panel.png     judge generated images, against floors
+
+{chr(10).join(state)}"""

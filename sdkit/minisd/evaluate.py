@@ -1,0 +1,178 @@
+"""Judge a mini SD: generate images for fixed prompt sets and read them back with the judge.
+
+Sets: single objects and pairs seen in training (new samples of seen combinations), and the
+held-out combinations training never saw. Beside the model, two floors on the same prompts and
+seeds: the same model given the empty prompt (what it draws without reading the text) and an
+untrained U-Net of the same shape (chance). And the judge itself, on the generator's own images of
+the same scenes: its accuracy bounds what any model can score.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+from ..common import SdkitError, format_table, save_png
+from .data import HELD_OUT_PAIRS, HELD_OUT_SINGLES, PAIR_TEMPLATES, RELATIONS, SINGLE_TEMPLATES, Scene, pair_scene, \
+    random_scene, render, single_scene  # fmt: skip
+from .judge import ATTRIBUTES, accuracy, judge
+from .pipeline import MiniSDPipeline
+
+SETS = ("singles", "pairs", "held_out_singles", "held_out_pairs")
+
+
+def prompt_set(name: str, count: int, seed: int = 1234) -> list[Scene]:
+    """`count` scenes of a set, the same on every run (a seed of its own, apart from training's)."""
+    rng = random.Random(f"{name}:{seed}")
+    if name == "singles":
+        return [random_scene(rng, pair_fraction=0.0) for _ in range(count)]
+    if name == "pairs":
+        return [random_scene(rng, pair_fraction=1.0) for _ in range(count)]
+    if name == "held_out_singles":
+        return [single_scene(*HELD_OUT_SINGLES[i % len(HELD_OUT_SINGLES)], template=rng.randrange(len(SINGLE_TEMPLATES)))
+                for i in range(count)]  # fmt: skip
+    if name == "held_out_pairs":
+        scenes = []
+        for i in range(count):
+            first, second = HELD_OUT_PAIRS[i % len(HELD_OUT_PAIRS)]
+            if rng.random() < 0.5:
+                first, second = second, first
+            scenes.append(pair_scene(first, rng.choice(RELATIONS), second, rng.randrange(3),
+                                     tuple(sorted(rng.sample(range(3), 2))), rng.randrange(len(PAIR_TEMPLATES))))  # fmt: skip
+        return scenes
+    raise SdkitError(f"unknown prompt set {name!r}; choose from {', '.join(SETS)}")
+
+
+@dataclass
+class Evaluation:
+    model: str
+    guidance_scale: float
+    steps: int
+    sampler: str
+    counts: dict[str, int]
+    results: dict[str, dict[str, dict[str, float]]]  # condition -> set -> attribute -> accuracy
+    seconds: float
+    verdicts: dict[str, list[dict]] = field(default_factory=dict)  # per set, the model's verdict per image
+    images: dict[str, np.ndarray] = field(default_factory=dict, repr=False)  # per set, the model's images
+    scenes: dict[str, list[Scene]] = field(default_factory=dict, repr=False)
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        del out["images"], out["scenes"]
+        out["captions"] = {name: [s.caption for s in scenes] for name, scenes in self.scenes.items()}
+        return out
+
+
+def judge_images(images: np.ndarray, scenes: list[Scene]) -> tuple[dict[str, float], list]:
+    verdicts = [judge(image, scene) for image, scene in zip(images, scenes)]
+    return accuracy(verdicts), verdicts
+
+
+def evaluate(pipe: MiniSDPipeline, sets=SETS, count: int = 64, guidance_scale: float = 4.0, steps: int = 25,
+             sampler: str = "ddim", floors: bool = True, model_name: str = "model", progress=None) -> Evaluation:  # fmt: skip
+    """Generate `count` images per set (image i from seed i) and judge them, with the floors."""
+    from ..presets import build_unet
+
+    start = time.perf_counter()
+    scenes = {name: prompt_set(name, count) for name in sets}
+    results: dict[str, dict] = {"model": {}, "judge on generator images": {}}
+    ev = Evaluation(model_name, guidance_scale, steps, sampler, {n: len(s) for n, s in scenes.items()}, results, 0.0,
+                    scenes=scenes)  # fmt: skip
+    untrained = None
+    if floors:
+        results["empty prompt"], results["untrained"] = {}, {}
+        untrained = MiniSDPipeline(build_unet(dict(pipe.unet.config), weights="random", seed=0), pipe.scheduler_config,
+                                   pipe.spec, pipe.encoder)  # fmt: skip
+    for name, set_scenes in scenes.items():
+        captions = [s.caption for s in set_scenes]
+        seeds = list(range(len(set_scenes)))
+        truth = np.stack([render(s, pipe.spec.image_size, random.Random(i)).image for i, s in enumerate(set_scenes)])
+        results["judge on generator images"][name] = judge_images(truth, set_scenes)[0]
+        states = pipe.encode(captions)
+        out = pipe(captions, seeds, guidance_scale, steps, sampler, prompt_embeds=states, progress=progress)
+        results["model"][name], verdicts = judge_images(out.images, set_scenes)
+        ev.images[name], ev.verdicts[name] = out.images, [v.to_json() for v in verdicts]
+        if floors:
+            empty = pipe.encode([""]).expand(len(captions), -1, -1)
+            blind = pipe(captions, seeds, guidance_scale, steps, sampler, prompt_embeds=empty, progress=progress)
+            results["empty prompt"][name] = judge_images(blind.images, set_scenes)[0]
+            chance = untrained(captions, seeds, guidance_scale, steps, sampler, prompt_embeds=states, progress=progress)
+            results["untrained"][name] = judge_images(chance.images, set_scenes)[0]
+    ev.seconds = time.perf_counter() - start
+    return ev
+
+
+def format_evaluation(ev: Evaluation) -> str:
+    rows = []
+    for name in ev.counts:
+        for condition, by_set in ev.results.items():
+            acc = by_set[name]
+            rows.append([name if condition == "model" else "", condition, ev.counts[name],
+                         *(f"{100 * acc[a]:.1f} %" for a in ATTRIBUTES)])  # fmt: skip
+    title = (f"{ev.model}: judged accuracy, {ev.sampler} {ev.steps} steps, guidance {ev.guidance_scale:g} "
+             "(position: the cell for one object, left/right for a pair)")  # fmt: skip
+    out = [format_table(["set", "images from", "n", *ATTRIBUTES], rows, title=title)]
+    out.append(f"\n{sum(ev.counts.values())} prompts per condition in {ev.seconds:.0f} s")
+    return "\n".join(out)
+
+
+def draw_panel(ev: Evaluation, path, per_set: int = 8) -> None:
+    """A PNG: per set, the first images with their captions and the judge's verdicts."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in ev.images if len(ev.images[n])]
+    cols = min(per_set, max(len(ev.images[n]) for n in names))
+    fig, axes = plt.subplots(len(names), cols, figsize=(1.9 * cols, 2.35 * len(names)), dpi=110, squeeze=False)
+    for r, name in enumerate(names):
+        for c in range(cols):
+            ax = axes[r, c]
+            ax.axis("off")
+            if c >= len(ev.images[name]):
+                continue
+            verdict = ev.verdicts[name][c]
+            ax.imshow(ev.images[name][c], interpolation="nearest")
+            marks = " ".join(f"{a[0]}{'+' if verdict[a] else '-'}" for a in ("colour", "position", "shape"))
+            ax.set_title(_wrap(ev.scenes[name][c].caption) + f"\n{marks}", fontsize=6.5,
+                         color="darkgreen" if verdict["all"] else "firebrick")  # fmt: skip
+        axes[r, 0].text(-0.15, 0.5, name, transform=axes[r, 0].transAxes, rotation=90, va="center", ha="right", fontsize=8)
+    fig.suptitle(f"{ev.model}: green = all correct (c colour, p position, s shape); guidance {ev.guidance_scale:g}",
+                 fontsize=9)  # fmt: skip
+    save_png(fig, path)
+
+
+def _wrap(text: str, width: int = 24) -> str:
+    words, lines, line = text.split(), [], ""
+    for w in words:
+        if line and len(line) + 1 + len(w) > width:
+            lines.append(line)
+            line = w
+        else:
+            line = f"{line} {w}".strip()
+    return "\n".join([*lines, line])
+
+
+def sample_grid(images: np.ndarray, captions: list[str], seeds: list[int], path, title: str = "") -> None:
+    """A PNG grid of generated images, each with its caption and seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = min(8, len(images))
+    rows = -(-len(images) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(1.9 * cols, 2.2 * rows), dpi=110, squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
+    for ax, image, caption, seed in zip(axes.flat, images, captions, seeds):
+        ax.imshow(image, interpolation="nearest")
+        ax.set_title(f"{_wrap(caption)}\nseed {seed}", fontsize=6.5)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    save_png(fig, path)

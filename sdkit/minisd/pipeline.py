@@ -1,0 +1,204 @@
+"""The mini Stable Diffusion: an SD-1.x-shaped U-Net that denoises 32x32 RGB pixels (no VAE),
+conditioned on the token states of a frozen, pretrained text encoder (all-MiniLM-L6-v2).
+
+A model folder holds what diffusers would write, plus one small JSON:
+
+    unet/        config.json + diffusion_pytorch_model.safetensors (the EMA weights)
+    scheduler/   scheduler_config.json (DDPM, SD 1.x's scaled_linear betas)
+    minisd.json  the text encoder and layer it reads, how it conditions, how it was trained
+
+    pipe = MiniSDPipeline.from_pretrained("weights/minisd")
+    images = pipe(["a red circle at the top left"], seeds=[0]).images    # (1, 32, 32, 3) in [0, 1]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..common import SdkitError, atomic_folder, write_json
+from ..encoders import TextEncoder
+from .data import from_model
+
+SPEC_FILE = "minisd.json"
+CONDITIONINGS = ("tokens", "pooled")
+DEFAULT_ENCODERS_DIR = "weights/encoders"
+# SD 1.x's training schedule. clip_sample and "trailing" spacing suit pixels: the predicted image
+# stays in [-1, 1], and sampling starts at the last trained timestep, where the noise is.
+SCHEDULER_CONFIG = {"num_train_timesteps": 1000, "beta_schedule": "scaled_linear", "beta_start": 0.00085,
+                    "beta_end": 0.012, "prediction_type": "epsilon", "clip_sample": True, "clip_sample_range": 1.0,
+                    "timestep_spacing": "trailing"}  # fmt: skip
+
+
+@dataclass
+class MiniSDSpec:
+    """What a mini SD folder needs besides its U-Net: the text side, and a record of training."""
+
+    text_encoder: str = "all-MiniLM-L6-v2"  # a folder name under the encoders folder
+    layer: str = "last"
+    max_length: int = 77  # token positions the U-Net reads (zeros past the caption, as encoded)
+    conditioning: str = "tokens"  # "tokens": every token state; "pooled": their mean, one key/value
+    image_size: int = 32
+    space: str = "pixels"  # no VAE: the U-Net denoises RGB in [-1, 1]
+    training: dict = field(default_factory=dict)
+    judged: dict = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, folder: str | os.PathLike) -> MiniSDSpec:
+        path = Path(folder) / SPEC_FILE
+        if not path.is_file():
+            raise SdkitError(f"{folder}: not a mini SD folder (no {SPEC_FILE}; train one with `sdkit minisd train`)")
+        try:
+            spec = cls(**json.loads(path.read_text()))
+        except (ValueError, TypeError) as e:
+            raise SdkitError(f"{path}: not a valid {SPEC_FILE} ({e})") from None
+        if spec.conditioning not in CONDITIONINGS:
+            raise SdkitError(f"{path}: unknown conditioning {spec.conditioning!r}")
+        return spec
+
+    def write(self, folder: str | os.PathLike) -> None:
+        write_json(Path(folder) / SPEC_FILE, asdict(self))
+
+
+def pool_states(states: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """(batch, tokens, width) -> (batch, 1, width): the mean over real tokens, one key/value.
+
+    The mean of the token states is how all-MiniLM-L6-v2 itself pools a sentence."""
+    weights = real.to(states.dtype).unsqueeze(-1)
+    return (states * weights).sum(1, keepdim=True) / weights.sum(1, keepdim=True).clamp_min(1)
+
+
+def find_text_encoder(spec: MiniSDSpec, text_encoder: str | os.PathLike | None = None,
+                      encoders_dir: str | os.PathLike = DEFAULT_ENCODERS_DIR, allow_pickle: bool = False) -> TextEncoder:  # fmt: skip
+    """The encoder a mini SD reads: `text_encoder` if given, else encoders_dir / spec.text_encoder."""
+    from ..encoders import load_text_encoder
+
+    folder = Path(text_encoder) if text_encoder else Path(encoders_dir) / spec.text_encoder
+    if not (folder / "config.json").is_file():
+        raise SdkitError(f"{folder}: the mini SD reads {spec.text_encoder}, which is not there; "
+                         "python scripts/get_real_encoders.py puts it in weights/encoders")  # fmt: skip
+    encoder = load_text_encoder(folder, layer=spec.layer, context_length=spec.max_length, allow_pickle=allow_pickle)
+    if encoder.max_length != spec.max_length:
+        raise SdkitError(f"{folder}: reads at most {encoder.max_length} tokens, the model {spec.max_length}")
+    return encoder
+
+
+@dataclass
+class MiniSDOutput:
+    images: np.ndarray  # (batch, H, W, 3) float32 in [0, 1]
+    prompts: list[str]
+    seeds: list[int]
+
+
+class MiniSDPipeline:
+    """Text -> image for a mini SD, in diffusers' manner: classifier-free guidance, a diffusers
+    scheduler (DDIM by default), one seed per image so any image can be made again alone."""
+
+    def __init__(self, unet, scheduler_config: dict, spec: MiniSDSpec, encoder: TextEncoder | None = None):
+        self.unet, self.scheduler_config, self.spec, self.encoder = unet.eval(), dict(scheduler_config), spec, encoder
+
+    @classmethod
+    def from_pretrained(cls, folder: str | os.PathLike, text_encoder: str | os.PathLike | None = None,
+                        encoders_dir: str | os.PathLike = DEFAULT_ENCODERS_DIR, load_encoder: bool = True,
+                        allow_pickle: bool = False) -> MiniSDPipeline:  # fmt: skip
+        from ..loading import load_unet
+
+        folder = Path(folder)
+        spec = MiniSDSpec.read(folder)
+        unet = load_unet(folder, allow_pickle=allow_pickle)
+        config_path = folder / "scheduler" / "scheduler_config.json"
+        try:
+            scheduler_config = json.loads(config_path.read_text())
+        except (OSError, ValueError) as e:
+            raise SdkitError(f"{config_path}: cannot read the scheduler config ({e})") from None
+        encoder = find_text_encoder(spec, text_encoder, encoders_dir, allow_pickle) if load_encoder else None
+        return cls(unet, scheduler_config, spec, encoder)
+
+    def save_pretrained(self, folder: str | os.PathLike) -> None:
+        from diffusers import DDPMScheduler
+
+        with atomic_folder(folder) as tmp:  # a crash leaves the old model (or none), never half of one
+            self.unet.save_pretrained(tmp / "unet")
+            DDPMScheduler.from_config(self.scheduler_config).save_pretrained(tmp / "scheduler")
+            self.spec.write(tmp)
+
+    def encode(self, prompts: list[str]) -> torch.Tensor:
+        """The states the U-Net reads for these prompts, under the model's conditioning."""
+        if self.encoder is None:
+            raise SdkitError("this pipeline has no text encoder; pass prompt_embeds, or load it with one")
+        states = self.encoder.encode(list(prompts)).float().cpu()
+        if self.spec.conditioning == "pooled":
+            return pool_states(states, self.encoder.real_mask(list(prompts)))
+        return states
+
+    def scheduler(self, name: str = "ddim"):
+        from diffusers import DDIMScheduler, DPMSolverMultistepScheduler
+
+        classes = {"ddim": DDIMScheduler, "dpm": DPMSolverMultistepScheduler}
+        if name not in classes:
+            raise SdkitError(f"unknown sampler {name!r}; choose one of {', '.join(classes)}")
+        return classes[name].from_config(self.scheduler_config)
+
+    @torch.no_grad()
+    def __call__(self, prompts: list[str] | None = None, seeds: list[int] | None = None, guidance_scale: float = 4.0,
+                 steps: int = 25, sampler: str = "ddim", prompt_embeds: torch.Tensor | None = None,
+                 negative_prompt_embeds: torch.Tensor | None = None, batch_size: int = 64,
+                 progress=None) -> MiniSDOutput:  # fmt: skip
+        """Generate one image per prompt (or per row of prompt_embeds), image i from seeds[i].
+
+        negative_prompt_embeds defaults to the encoding of the empty prompt, as in training.
+        """
+        if prompt_embeds is None:
+            if not prompts:
+                raise SdkitError("give prompts or prompt_embeds")
+            prompt_embeds = self.encode(prompts)
+        n = len(prompt_embeds)
+        prompts = list(prompts) if prompts is not None else [""] * n
+        seeds = list(seeds) if seeds is not None else list(range(n))
+        if len(seeds) != n or len(prompts) != n:
+            raise SdkitError(f"{n} prompts need {n} seeds (got {len(seeds)})")
+        if negative_prompt_embeds is None:
+            negative_prompt_embeds = self.encode([""]) if self.encoder is not None else torch.zeros_like(prompt_embeds[:1])
+        width = self.unet.config.cross_attention_dim
+        for name, states in (("prompt_embeds", prompt_embeds), ("negative_prompt_embeds", negative_prompt_embeds)):
+            if states.ndim != 3 or states.shape[-1] != width:
+                raise SdkitError(f"{name} must be (batch, tokens, {width}), not {list(states.shape)}")
+        images = []
+        for start in range(0, n, batch_size):
+            stop = min(start + batch_size, n)
+            images.append(self._generate(prompt_embeds[start:stop], negative_prompt_embeds, seeds[start:stop],
+                                         guidance_scale, steps, sampler))  # fmt: skip
+            if progress is not None:
+                progress.update(stop - start)
+        return MiniSDOutput(np.concatenate(images), prompts, seeds)
+
+    def _generate(self, states, negative, seeds, guidance_scale, steps, sampler) -> np.ndarray:
+        param = next(self.unet.parameters())
+        side, channels = self.unet.config.sample_size, self.unet.config.in_channels
+        scheduler = self.scheduler(sampler)
+        scheduler.set_timesteps(steps)
+        sample = torch.cat([torch.randn(1, channels, side, side, generator=torch.Generator().manual_seed(s)) for s in seeds])
+        sample = sample.to(param.device, param.dtype) * scheduler.init_noise_sigma
+        states = states.to(param.device, param.dtype)
+        negative = negative.to(param.device, param.dtype).expand(len(states), *negative.shape[1:])
+        guided = guidance_scale != 1.0
+        # One batch for both halves when they are the same length (as diffusers does); two calls
+        # otherwise, since padding either with extra tokens would change what the cells read.
+        together = guided and negative.shape[1] == states.shape[1]
+        context = torch.cat([negative, states]) if together else states
+        for t in scheduler.timesteps:
+            model_input = scheduler.scale_model_input(torch.cat([sample, sample]) if together else sample, t)
+            eps = self.unet(model_input, t, encoder_hidden_states=context).sample
+            if together:
+                uncond, eps = eps.chunk(2)
+            elif guided:
+                uncond = self.unet(model_input, t, encoder_hidden_states=negative).sample
+            if guided:
+                eps = uncond + guidance_scale * (eps - uncond)
+            sample = scheduler.step(eps, t, sample).prev_sample
+        return np.stack([from_model(image) for image in sample])

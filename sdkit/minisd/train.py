@@ -1,0 +1,320 @@
+"""Train a mini SD: SD 1.x's recipe at the size of a laptop.
+
+epsilon-prediction under diffusers' DDPMScheduler (scaled_linear betas), the frozen text encoder's
+token states (encoded once per caption and cached), about 10 % empty captions for classifier-free
+guidance, Min-SNR loss weighting (with a floor for the noisiest steps), AdamW with warm-up and cosine decay, EMA weights (what is saved),
+all through accelerate (`accelerate launch -m sdkit.cli minisd train` spreads each batch over GPUs).
+
+Every batch is a function of (seed, step): the images come from the generator by index, the noise
+and timesteps from a generator seeded by the step. So a run killed after a checkpoint resumes to
+the very same weights as a run that never stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..common import SdkitError, atomic_path
+from ..encoders import TextEncoder, encoder_fingerprint
+from .data import all_captions, sample_at, to_model
+from .pipeline import CONDITIONINGS, SCHEDULER_CONFIG, MiniSDPipeline, MiniSDSpec, pool_states
+
+CHECKPOINT = "checkpoint.safetensors"
+
+
+@dataclass
+class TrainSettings:
+    steps: int = 1600
+    batch_size: int = 32  # images per step, over all processes
+    lr: float = 1e-3  # peak; linear warm-up, then cosine decay to zero
+    warmup_steps: int = 100
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    snr_gamma: float = 5.0  # Min-SNR clip on the image-error weight; 0 for the plain epsilon MSE
+    x0_weight_floor: float = 1.0  # added to that weight, so the noisiest steps (where layout is decided) count
+    ema_max_decay: float = 0.9999
+    ema_power: float = 2 / 3  # EMA warm-up: decay = 1 - (1 + step) ** -power
+    empty_fraction: float = 0.1  # captions dropped for classifier-free guidance
+    pair_fraction: float = 0.5  # images with two objects
+    image_size: int = 32
+    conditioning: str = "tokens"  # or "pooled": the mean token state, one key/value
+    seed: int = 0
+
+    def check(self) -> None:
+        for name in ("steps", "batch_size", "image_size"):
+            if getattr(self, name) <= 0:
+                raise SdkitError(f"{name} must be positive, not {getattr(self, name)}")
+        for name in ("lr", "weight_decay", "max_grad_norm", "snr_gamma", "x0_weight_floor", "empty_fraction",
+                     "pair_fraction"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise SdkitError(f"{name} must be a finite number >= 0, not {value}")
+        if self.lr == 0:
+            raise SdkitError("lr must be positive")
+        if self.empty_fraction > 1 or self.pair_fraction > 1:
+            raise SdkitError("empty_fraction and pair_fraction are fractions (0 to 1)")
+        if self.conditioning not in CONDITIONINGS:
+            raise SdkitError(f"unknown conditioning {self.conditioning!r}; choose one of {', '.join(CONDITIONINGS)}")
+
+
+# --- caption states, encoded once ----------------------------------------------------------------
+
+
+@dataclass
+class CaptionStates:
+    """Every training caption's token states (zeros past its tokens), looked up by caption."""
+
+    captions: list[str]
+    states: torch.Tensor  # (captions, longest caption in tokens, width) float32
+    lengths: torch.Tensor  # (captions,) real tokens of each
+    max_length: int  # positions the U-Net reads; states are padded with zeros to it
+
+    def __post_init__(self):
+        self.row = {c: i for i, c in enumerate(self.captions)}
+
+    def lookup(self, captions: list[str], conditioning: str = "tokens") -> torch.Tensor:
+        try:
+            rows = torch.tensor([self.row[c] for c in captions])
+        except KeyError as e:
+            raise SdkitError(f"caption {e.args[0]!r} was not encoded") from None
+        states = self.states[rows]
+        if conditioning == "pooled":
+            real = torch.arange(states.shape[1]) < self.lengths[rows, None]
+            return pool_states(states, real)
+        return F.pad(states, (0, 0, 0, self.max_length - states.shape[1]))
+
+
+def encode_captions(encoder: TextEncoder, captions: list[str], cache_dir: str | os.PathLike | None,
+                    batch_size: int = 128, progress: bool = True) -> CaptionStates:  # fmt: skip
+    """Encode captions (or read them from the cache, keyed by the encoder and the captions)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file, save_file
+    from tqdm import tqdm
+
+    key_data = {"format": 1, "encoder": encoder_fingerprint(encoder), "captions": captions}
+    key = hashlib.sha256(json.dumps(key_data, sort_keys=True).encode()).hexdigest()[:16]
+    path = Path(cache_dir) / f"minisd-captions-{key}.safetensors" if cache_dir else None
+    if path and path.is_file():
+        try:
+            tensors = load_file(path)
+            if tensors["states"].shape[0] == len(captions):
+                return CaptionStates(captions, tensors["states"], tensors["lengths"], encoder.max_length)
+        except (SafetensorError, KeyError, OSError):
+            pass  # damaged: encode again and replace it
+    parts, lengths = [], []
+    for start in tqdm(range(0, len(captions), batch_size), desc="encoding captions", unit="batch", disable=not progress):
+        batch = captions[start : start + batch_size]
+        parts.append(encoder.encode(batch).float().cpu())
+        lengths.append(encoder.real_mask(batch).sum(1))
+    lengths = torch.cat(lengths)
+    states = torch.cat(parts)
+    if not encoder.pads_with_states:  # masked encoders leave zeros past the caption: keep only the tokens
+        states = states[:, : int(lengths.max())].contiguous()
+    if path:
+        with atomic_path(path) as tmp:
+            save_file({"states": states, "lengths": lengths}, str(tmp))
+    return CaptionStates(captions, states, lengths, encoder.max_length)
+
+
+# --- batches ---------------------------------------------------------------------------------------
+
+
+def batch_at(step: int, settings: TrainSettings, captions: CaptionStates, process: int = 0, processes: int = 1):
+    """This process's share of the batch of `step`: (pixels, states, noise, timesteps, captions)."""
+    per_process = settings.batch_size // processes
+    first = step * settings.batch_size + process * per_process
+    samples = [sample_at(settings.seed, i, settings.image_size, settings.pair_fraction) for i in range(first, first + per_process)]
+    texts = ["" if random.Random(f"drop:{settings.seed}:{i}").random() < settings.empty_fraction else s.caption
+             for i, s in zip(range(first, first + per_process), samples)]  # fmt: skip
+    pixels = torch.from_numpy(np.stack([to_model(s.image) for s in samples]))
+    generator = torch.Generator().manual_seed(hash_seed(settings.seed, step, process))
+    noise = torch.randn(pixels.shape, generator=generator)
+    timesteps = torch.randint(0, SCHEDULER_CONFIG["num_train_timesteps"], (per_process,), generator=generator)
+    return pixels, captions.lookup(texts, settings.conditioning), noise, timesteps, texts
+
+
+def hash_seed(*parts) -> int:
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little") >> 1
+
+
+def learning_rate(step: int, settings: TrainSettings) -> float:
+    if step < settings.warmup_steps:
+        return settings.lr * (step + 1) / settings.warmup_steps
+    progress = (step - settings.warmup_steps) / max(1, settings.steps - settings.warmup_steps)
+    return settings.lr * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+# --- training ----------------------------------------------------------------------------------------
+
+
+class Interrupted(Exception):
+    """Raised by train's stop_after hook, to stand for a run killed after a checkpoint."""
+
+
+@dataclass
+class TrainResult:
+    folder: str
+    steps: int
+    resumed_from: int
+    seconds: float
+    samples_per_second: float
+    history: list[dict]
+
+
+def run_fingerprint(settings: TrainSettings, unet_config: dict, encoder: TextEncoder) -> str:
+    """Everything that decides the trained weights; a checkpoint from another run is refused."""
+    data = {"format": 1, "settings": asdict(settings), "unet": dict(unet_config), "encoder": encoder_fingerprint(encoder)}
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings | None = None,
+          unet_config: dict | None = None, checkpoint_dir: str | os.PathLike | None = None,
+          checkpoint_every: int = 200, cache_dir: str | os.PathLike | None = "weights/cache", progress: bool = True,
+          stop_after: int | None = None) -> TrainResult:  # fmt: skip
+    """Train a mini SD and save it (EMA weights) to `out` as a model folder.
+
+    With `checkpoint_dir`, the full state (weights, EMA, optimizer, step) is written there every
+    `checkpoint_every` steps, and a run that finds a checkpoint of the same run resumes from it.
+    """
+    from accelerate import Accelerator
+    from diffusers import DDPMScheduler
+    from diffusers.training_utils import EMAModel, compute_snr
+    from tqdm import tqdm
+
+    from ..presets import build_unet, preset_config
+
+    settings = settings or TrainSettings()
+    settings.check()
+    if checkpoint_every <= 0:
+        raise SdkitError(f"checkpoint_every must be positive, not {checkpoint_every}")
+    config = dict(unet_config or preset_config("minisd"))
+    config["sample_size"] = settings.image_size
+    if config.get("cross_attention_dim") != encoder.width:
+        raise SdkitError(f"the U-Net config reads {config.get('cross_attention_dim')}-wide states, the text encoder "
+                         f"gives {encoder.width}")  # fmt: skip
+    accelerator = Accelerator()
+    if settings.batch_size % accelerator.num_processes:
+        raise SdkitError(f"batch size {settings.batch_size} does not split over {accelerator.num_processes} processes")
+    captions = encode_captions(encoder, ["", *all_captions()], cache_dir, progress=progress and accelerator.is_main_process)
+    noise_scheduler = DDPMScheduler.from_config(SCHEDULER_CONFIG)
+    unet = build_unet(config, weights="random", seed=settings.seed).train()
+    ema = EMAModel(unet.parameters(), decay=settings.ema_max_decay, use_ema_warmup=True, inv_gamma=1.0,
+                   power=settings.ema_power)  # fmt: skip
+    optimizer = torch.optim.AdamW(unet.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
+    fingerprint = run_fingerprint(settings, config, encoder)
+    checkpoint = Path(checkpoint_dir) / CHECKPOINT if checkpoint_dir else None
+    start, history = 0, []
+    if checkpoint and checkpoint.is_file():
+        start, history = load_checkpoint(checkpoint, unet, ema, optimizer, fingerprint)
+    model, optimizer = accelerator.prepare(unet, optimizer)
+    ema.to(accelerator.device)
+    alphas = noise_scheduler.alphas_cumprod.to(accelerator.device)
+
+    bar = tqdm(total=settings.steps, initial=start, desc="training mini SD", unit="step",
+               disable=not progress or not accelerator.is_main_process)  # fmt: skip
+    began, window_loss, window_steps = time.perf_counter(), 0.0, 0
+    for step in range(start, settings.steps):
+        step_start = time.perf_counter()
+        pixels, states, noise, timesteps, _ = batch_at(step, settings, captions, accelerator.process_index,
+                                                       accelerator.num_processes)  # fmt: skip
+        pixels, states, noise, timesteps = (t.to(accelerator.device) for t in (pixels, states, noise, timesteps))
+        noisy = noise_scheduler.add_noise(pixels, noise, timesteps)
+        prediction = model(noisy, timesteps, encoder_hidden_states=states).sample
+        loss = F.mse_loss(prediction.float(), noise, reduction="none").mean(dim=(1, 2, 3))
+        if settings.snr_gamma:
+            # The epsilon error is sqrt(SNR) x the error of the implied clean image, so weighting the
+            # epsilon MSE by w / SNR weights the image error by w = min(SNR, gamma) + floor: Min-SNR's
+            # clip at the clean end, and at least `floor` at the noisy end, where plain epsilon MSE
+            # (w = SNR) gives the layout and colours the text decides almost no weight.
+            snr = compute_snr(noise_scheduler, timesteps)
+            loss = loss * (torch.clamp(snr, max=settings.snr_gamma) + settings.x0_weight_floor) / snr
+        loss = loss.mean()
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, settings)
+        optimizer.zero_grad()
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
+        optimizer.step()
+        ema.step(accelerator.unwrap_model(model).parameters())
+        window_loss, window_steps = window_loss + loss.item(), window_steps + 1
+        done = step + 1
+        if done % 25 == 0 or done == settings.steps:
+            history.append({"step": done, "loss": window_loss / window_steps})
+            window_loss, window_steps = 0.0, 0
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.4f}", samples_s=f"{settings.batch_size / (time.perf_counter() - step_start):.1f}")
+        if checkpoint and accelerator.is_main_process and (done % checkpoint_every == 0 or done == settings.steps):
+            save_checkpoint(checkpoint, accelerator.unwrap_model(model), ema, optimizer, done, history, fingerprint)
+        if stop_after is not None and done >= stop_after and done < settings.steps:
+            bar.close()
+            raise Interrupted(f"stopped after step {done}")
+    bar.close()
+    seconds = time.perf_counter() - began
+    result = TrainResult(str(out), settings.steps, start, seconds,
+                         (settings.steps - start) * settings.batch_size / max(seconds, 1e-9), history)  # fmt: skip
+    if accelerator.is_main_process:
+        final = build_unet(config, weights="random", seed=settings.seed)
+        ema.copy_to(final.parameters())
+        spec = MiniSDSpec(text_encoder=Path(encoder.source).name, layer=encoder.layer, max_length=encoder.max_length,
+                          conditioning=settings.conditioning, image_size=settings.image_size,
+                          training={"settings": asdict(settings), "resumed_from_step": start,
+                                    "seconds": round(seconds, 1), "samples_per_second": round(result.samples_per_second, 2),
+                                    "processes": accelerator.num_processes, "device": str(accelerator.device),
+                                    "history": history})  # fmt: skip
+        MiniSDPipeline(final.cpu(), SCHEDULER_CONFIG, spec).save_pretrained(out)
+    return result
+
+
+def save_checkpoint(path: Path, unet, ema, optimizer, step: int, history: list[dict], fingerprint: str) -> None:
+    from safetensors.torch import save_file
+
+    names = [n for n, _ in unet.named_parameters()]
+    tensors = {f"model.{k}": v.detach().cpu().contiguous() for k, v in unet.state_dict().items()}
+    tensors.update({f"ema.{n}": p.detach().cpu().contiguous() for n, p in zip(names, ema.shadow_params)})
+    opt = optimizer.state_dict()
+    for index, state in opt["state"].items():
+        for name, value in state.items():
+            tensors[f"optimizer.{index}.{name}"] = torch.as_tensor(value).detach().cpu().contiguous()
+    metadata = {"step": str(step), "ema_step": str(ema.optimization_step), "fingerprint": fingerprint,
+                "history": json.dumps(history), "param_groups": json.dumps(opt["param_groups"])}  # fmt: skip
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata=metadata)
+
+
+def load_checkpoint(path: Path, unet, ema, optimizer, fingerprint: str) -> tuple[int, list[dict]]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError) as e:
+        raise SdkitError(f"{path}: cannot resume from this checkpoint ({e}); delete it to start over") from None
+    if metadata.get("fingerprint") != fingerprint:
+        raise SdkitError(f"{path}: this checkpoint belongs to another run (other settings, model or text encoder); "
+                         "delete it or choose another checkpoint folder")  # fmt: skip
+    unet.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+    names = [n for n, _ in unet.named_parameters()]
+    ema.shadow_params = [tensors[f"ema.{n}"].clone() for n in names]
+    ema.optimization_step = int(metadata["ema_step"])
+    state: dict = {}
+    for k, v in tensors.items():
+        if k.startswith("optimizer."):
+            _, index, name = k.split(".", 2)
+            state.setdefault(int(index), {})[name] = v
+    optimizer.load_state_dict({"state": state, "param_groups": json.loads(metadata["param_groups"])})
+    return int(metadata["step"]), json.loads(metadata["history"])

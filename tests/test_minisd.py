@@ -1,0 +1,178 @@
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from sdkit.common import SdkitError
+from sdkit.minisd.data import (BACKGROUND, HELD_OUT_PAIRS, HELD_OUT_SINGLES, all_captions, colour_rgb, pair_scene,
+                               random_scene, render, sample_at, single_scene)  # fmt: skip
+from sdkit.minisd.judge import accuracy, find_objects, judge
+from sdkit.minisd.pipeline import MiniSDPipeline, pool_states
+from sdkit.minisd.train import Interrupted, TrainSettings, train
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED = REPO / "weights" / "minisd"
+
+
+def micro_config(width: int) -> dict:
+    return {"_class_name": "UNet2DConditionModel", "in_channels": 3, "out_channels": 3, "sample_size": 32,
+            "block_out_channels": [16, 32], "layers_per_block": 1, "norm_num_groups": 8, "attention_head_dim": 2,
+            "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"],
+            "up_block_types": ["CrossAttnUpBlock2D", "UpBlock2D"], "cross_attention_dim": width}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    from sdkit.encoders import load_text_encoder, write_tiny_bert_encoder
+
+    return load_text_encoder(write_tiny_bert_encoder(tmp_path_factory.mktemp("bert"), width=32))
+
+
+@pytest.mark.parametrize("side", [32, 64])
+def test_masks_match_the_images(side):
+    background = np.array(BACKGROUND, np.float32)
+    for index in range(60):
+        sample = sample_at(0, index, side)
+        for mask, obj in zip(sample.masks, sample.scene.objects):
+            # Every object lies inside its grid cell, where each pixel is
+            # background * (1 - a) + colour * a; the mask is a >= 1/2 there and empty elsewhere.
+            cell = (slice(obj.row * side // 3, (obj.row + 1) * side // 3 + 1),
+                    slice(obj.column * side // 3, (obj.column + 1) * side // 3 + 1))  # fmt: skip
+            outside = np.ones_like(mask)
+            outside[cell] = False
+            assert not mask[outside].any()
+            colour = np.array(colour_rgb(obj.colour), np.float32)
+            channel = int(np.argmax(np.abs(colour - background)))
+            alpha = (sample.image[cell][..., channel] - background[channel]) / (colour[channel] - background[channel])
+            decided = np.abs(alpha - 0.5) > 1e-4  # exactly half covered could round either way
+            assert np.array_equal(mask[cell][decided], (alpha >= 0.5)[decided])
+            assert mask.sum() >= 0.3 * (0.28 * side) ** 2
+        untouched = ~np.any(np.abs(sample.image - background) > 1e-6, axis=-1)
+        assert not (untouched & sample.masks.any(0)).any()
+
+
+def test_generator_is_deterministic_and_keeps_held_out_combinations_out():
+    a, b = sample_at(3, 17), sample_at(3, 17)
+    assert a.caption == b.caption and np.array_equal(a.image, b.image) and np.array_equal(a.masks, b.masks)
+    rng = random.Random(0)
+    scenes = [random_scene(rng) for _ in range(3000)]
+    assert not any(s.held_out for s in scenes)
+    assert 0.45 < sum(len(s.objects) == 2 for s in scenes) / len(scenes) < 0.55
+    captions = set(all_captions())
+    held = set(all_captions(held_out=True))
+    assert not captions & held
+    assert single_scene(*HELD_OUT_SINGLES[0]).caption in held
+    first, second = HELD_OUT_PAIRS[0]
+    assert pair_scene(second, "left of", first, template=2).caption in held
+    assert len(captions) == 6 * 3 * 9 * 6 - len(HELD_OUT_SINGLES) * 6 + (18 * 17 - 2 * len(HELD_OUT_PAIRS)) * 2 * 4
+
+
+@pytest.mark.parametrize("side,count", [(32, 400), (64, 100)])
+def test_judge_reads_generator_images(side, count):
+    samples = [sample_at(5, i, side) for i in range(count)]
+    verdicts = [judge(s.image, s.scene) for s in samples]
+    assert accuracy(verdicts)["all"] >= 0.98
+    found = find_objects(samples[0].image)
+    assert len(found) == len(samples[0].scene.objects)
+
+
+def test_judge_fails_what_is_not_there():
+    scene = single_scene("red", "circle", "top left")
+    blank = np.full((32, 32, 3), 0.5, np.float32)
+    assert not judge(blank, scene).colour
+    wrong = render(single_scene("blue", "square", "bottom right"), 32).image
+    verdict = judge(wrong, scene)
+    assert (verdict.colour, verdict.position, verdict.shape) == (False, False, False)
+    swapped = render(pair_scene(("red", "circle"), "right of", ("blue", "square")), 32).image
+    verdict = judge(swapped, pair_scene(("red", "circle"), "left of", ("blue", "square")))
+    assert verdict.colour and verdict.shape and not verdict.position
+
+
+def test_pooled_states_are_one_token():
+    states = torch.randn(2, 5, 3)
+    real = torch.tensor([[1, 1, 0, 0, 0], [1, 1, 1, 1, 0]], dtype=torch.bool)
+    pooled = pool_states(states, real)
+    assert pooled.shape == (2, 1, 3)
+    torch.testing.assert_close(pooled[1, 0], states[1, :4].mean(0))
+
+
+def _settings(**kw):
+    return TrainSettings(**{"steps": 2, "batch_size": 4, "warmup_steps": 1, **kw})
+
+
+def test_training_saves_resumes_and_reloads_bit_exactly(bert, tmp_path):
+    config = micro_config(bert.width)
+    whole = train(tmp_path / "whole", bert, _settings(), config, tmp_path / "ck-whole", 1, tmp_path / "cache", False)
+    assert whole.resumed_from == 0 and len(whole.history) == 1
+    with pytest.raises(Interrupted):
+        train(tmp_path / "cut", bert, _settings(), config, tmp_path / "ck-cut", 1, tmp_path / "cache", False, stop_after=1)
+    assert not (tmp_path / "cut").exists()  # nothing half-written
+    resumed = train(tmp_path / "cut", bert, _settings(), config, tmp_path / "ck-cut", 1, tmp_path / "cache", False)
+    assert resumed.resumed_from == 1
+    a = load_file(tmp_path / "whole" / "unet" / "diffusion_pytorch_model.safetensors")
+    b = load_file(tmp_path / "cut" / "unet" / "diffusion_pytorch_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    pipe = MiniSDPipeline.from_pretrained(tmp_path / "whole", text_encoder=bert.source)
+    assert all(torch.equal(p, a[n]) for n, p in pipe.unet.state_dict().items())
+    spec = json.loads((tmp_path / "whole" / "minisd.json").read_text())
+    assert spec["conditioning"] == "tokens" and spec["training"]["settings"]["steps"] == 2
+    # A checkpoint of another run is refused, not silently continued.
+    with pytest.raises(SdkitError, match="belongs to another run"):
+        train(tmp_path / "other", bert, _settings(lr=5e-4), config, tmp_path / "ck-whole", 1, tmp_path / "cache", False)
+
+
+@pytest.fixture(scope="module")
+def micro_model(bert, tmp_path_factory):
+    out = tmp_path_factory.mktemp("micro") / "model"
+    train(out, bert, _settings(), micro_config(bert.width), progress=False, cache_dir=None)
+    return out
+
+
+def test_sampling_is_deterministic_by_seed(micro_model, bert):
+    pipe = MiniSDPipeline.from_pretrained(micro_model, text_encoder=bert.source)
+    prompts = ["a red circle at the top left", "a blue square to the left of a green triangle"]
+    first = pipe(prompts, seeds=[3, 4], steps=3).images
+    again = pipe(prompts, seeds=[3, 4], steps=3).images
+    alone = pipe(prompts[1:], seeds=[4], steps=3).images
+    assert first.shape == (2, 32, 32, 3) and np.array_equal(first, again)
+    np.testing.assert_allclose(first[1], alone[0], atol=1e-5)
+    assert not np.allclose(first[0], pipe(prompts[:1], seeds=[5], steps=3).images[0])
+
+
+def test_pooled_model_reads_one_key_value(bert, tmp_path):
+    out = tmp_path / "pooled"
+    train(out, bert, _settings(conditioning="pooled"), micro_config(bert.width), progress=False, cache_dir=None)
+    pipe = MiniSDPipeline.from_pretrained(out, text_encoder=bert.source)
+    assert pipe.encode(["a red circle at the top"]).shape == (1, 1, bert.width)
+
+
+def test_cli_sample_and_eval(micro_model, bert, cli, tmp_path):
+    png = tmp_path / "grid.png"
+    code, out, err = cli("minisd", "sample", "a red circle at the top", "--model", micro_model, "--text-encoder",
+                         bert.source, "--seeds", "2", "--steps", "2", "--out", png)
+    assert code == 0, err
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    code, out, err = cli("minisd", "eval", "--model", micro_model, "--text-encoder", bert.source, "--count", "2",
+                         "--sets", "singles,pairs", "--steps", "2", "--json", "--panel", tmp_path / "panel.png")
+    assert code == 0, err
+    report = json.loads(out)
+    assert set(report["results"]) == {"model", "judge on generator images", "empty prompt", "untrained"}
+    assert report["results"]["judge on generator images"]["singles"]["all"] == 1.0
+    assert (tmp_path / "panel.png").is_file()
+    code, _, err = cli("minisd", "eval", "--model", tmp_path / "nothing")
+    assert code == 2 and "no such file" in err
+
+
+@pytest.mark.skipif(not (SHIPPED / "minisd.json").is_file(), reason="no shipped mini SD in weights/minisd")
+def test_the_shipped_model_is_a_minisd_preset_u_net(cli):
+    from sdkit.audit import audit
+
+    assert audit(SHIPPED).total == audit("minisd").total == 4_582_819
+    spec = json.loads((SHIPPED / "minisd.json").read_text())
+    assert spec["text_encoder"] == "all-MiniLM-L6-v2" and spec["space"] == "pixels"
+    size = sum(f.stat().st_size for f in SHIPPED.rglob("*") if f.is_file())
+    assert size <= 30 * 2**20
