@@ -1,7 +1,10 @@
-"""Audit several U-Nets (presets, diffusers folders, checkpoint files) into JSON and a Markdown table.
+"""Audit several U-Nets (presets, diffusers folders, checkpoint files) into JSON and a paper table.
 
     python scripts/audit_params.py sd15 sd21 sdxl path/to/model.safetensors --out out/audit
-writes out/audit.json (one audit per model) and out/audit.md.
+writes out/audit.json (one audit per model) and the table as out/audit.md, out/audit.csv and
+out/audit.tex (booktabs). Each model is audited at its native image size (SD 1.5: 512, SD 2.1:
+768, SDXL: 1024); the block parts (MLP, self- and cross-attention, norm, proj) add up to the
+parameters in the Transformer2D blocks. Seconds for the presets; a header read per file.
 """
 
 import argparse
@@ -9,29 +12,15 @@ import sys
 
 from tqdm import tqdm
 
-from sdkit.audit import audit
+from sdkit.audit import audit, paper_table
 from sdkit.common import SdkitError, write_json, write_text
-
-
-def markdown(audits) -> str:
-    lines = [
-        "| model | layout | U-Net params | attention blocks | MLP | self-attention | cross-attention | MLP share |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for a in audits:
-        b = a.attention_blocks
-        lines.append(
-            f"| {a.source} | {a.layout} | {a.total:,} | {b['total']:,} | {b['mlp']:,} | {b['self_attention']:,} "
-            f"| {b['cross_attention']:,} | {100 * b['mlp_share']:.1f} % |"
-        )
-    return "\n".join(lines) + "\n"
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("models", nargs="*", default=["sd15", "sd21", "sdxl"])
-    parser.add_argument("--out", default="out/audit", help="path stem for .json and .md (default: out/audit)")
-    parser.add_argument("--allow-pickle", action="store_true")
+    parser.add_argument("models", nargs="*", default=["sd15", "sd21", "sdxl"], help="presets, folders or files")
+    parser.add_argument("--out", default="out/audit", help="path stem for .json, .md, .csv and .tex (default: out/audit)")
+    parser.add_argument("--allow-pickle", action="store_true", help="read pickle checkpoints (weights_only=True)")
     args = parser.parse_args()
 
     audits, failed = [], 0
@@ -42,9 +31,10 @@ def main():
             print(f"audit_params: skipped: {e}", file=sys.stderr)
             failed += 1
     write_json(f"{args.out}.json", [a.to_json() for a in audits])
-    write_text(f"{args.out}.md", markdown(audits))
-    print(markdown(audits))
-    print(f"wrote {args.out}.json and {args.out}.md", file=sys.stderr)
+    for fmt, suffix in (("markdown", "md"), ("csv", "csv"), ("latex", "tex")):
+        write_text(f"{args.out}.{suffix}", paper_table(audits, fmt))
+    print(paper_table(audits))
+    print(f"wrote {args.out}.json, .md, .csv and .tex", file=sys.stderr)
     return 2 if failed else 0
 
 

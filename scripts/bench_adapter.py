@@ -34,6 +34,8 @@ def main():
     folders = [args.encoders / "all-MiniLM-L6-v2", args.encoders / "all-mpnet-base-v2"]
     if not all((f / "config.json").is_file() for f in folders):
         sys.exit(f"bench_adapter: no real encoders in {args.encoders}; run python scripts/get_real_encoders.py")
+    print(f"expected duration: about {4 + args.prompts // 300} minutes on 2 CPU cores (encoding, then training)",
+          flush=True)  # fmt: skip
     new, old = (load_text_encoder(f) for f in folders)
     prompts = generate_prompts(args.prompts, seed=0)
     unet = load_unet("tiny")

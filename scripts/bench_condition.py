@@ -19,6 +19,7 @@ import sys
 import time
 
 import torch
+from tqdm import tqdm
 
 from sdkit.common import peak_rss
 from sdkit.conditioning import CrossAttentionTrace
@@ -58,6 +59,9 @@ def main():
     if args.child:
         return child(args.child, args.latent)
 
+    print(f"expected duration: about {2 + 2 * args.repeats * (args.latent // 64) ** 2} minutes on 2 CPU cores "
+          "(SD 1.5 forward passes of ~20 s each)", flush=True)  # fmt: skip
+    bar = tqdm(total=2 + 2 * args.repeats, desc="forward passes", unit="run")
     peaks = {}
     # A fixed mmap threshold: glibc otherwise raises it as blocks are freed and serves later tensors
     # from memory it kept, which hides them from the resident set and makes the peaks wander.
@@ -66,6 +70,7 @@ def main():
         proc = subprocess.run([sys.executable, __file__, "--child", mode, "--latent", str(args.latent)],
                               capture_output=True, text=True, check=True, env=env)  # fmt: skip
         peaks[mode] = json.loads(proc.stdout.strip().splitlines()[-1])["peak"]
+        bar.update(1)
 
     unet, sample, text = setup(args.latent)
     weights = sum(p.numel() * p.element_size() for p in unet.parameters())
@@ -76,6 +81,8 @@ def main():
             start = time.perf_counter()
             forward(unet, sample, text, mode == "capture")
             times[mode].append(time.perf_counter() - start)
+            bar.update(1)
+    bar.close()
     plain, capture = statistics.median(times["plain"]), statistics.median(times["capture"])
     extra = peaks["capture"] - peaks["plain"]
     print(f"SD 1.5 U-Net, {args.latent}x{args.latent} latent, float32, {torch.get_num_threads()} threads")

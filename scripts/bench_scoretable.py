@@ -30,6 +30,7 @@ def main():
     parser.add_argument("--json", help="write the measurements here")
     args = parser.parse_args()
 
+    print("expected duration: about 3 minutes on 2 CPU cores", flush=True)
     results = {}
     with tqdm(total=3 * len(TOKENS), desc="measuring", unit="run") as bar:
         for tokens in TOKENS:

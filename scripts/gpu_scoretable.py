@@ -11,12 +11,13 @@ All written as JSON (default out/gpu_scoretable.json).
 
 import argparse
 import platform
+import sys
 import time
 from dataclasses import asdict
 
 import torch
 
-from sdkit.common import parse_bytes, write_json
+from sdkit.common import SdkitError, parse_bytes, write_json
 from sdkit.scoretable import format_measurements, free_bytes, largest_naive_tokens, measure, resolve_device
 
 
@@ -31,7 +32,16 @@ def main(argv=None):
     parser.add_argument("--budget", type=parse_bytes, help="memory to allow (default: the device's free memory)")
     parser.add_argument("--out", default="out/gpu_scoretable.json")
     args = parser.parse_args(argv)
-    device = resolve_device(args.device)
+    if args.device == "auto" and not torch.cuda.is_available():
+        print("gpu_scoretable.py: error: this machine has no CUDA device (for a logic check on the CPU, pass "
+              "--device cpu with small --latent-tokens / --pixel-tokens / --budget)", file=sys.stderr)  # fmt: skip
+        sys.exit(2)
+    try:
+        device = resolve_device(args.device)
+    except SdkitError as e:
+        print(f"gpu_scoretable.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print("expected duration: a few minutes on a CUDA GPU", flush=True)
     start = time.perf_counter()
     report = {"device": device, "torch": torch.__version__, "host": platform.node(),
               "gpu": torch.cuda.get_device_name(device) if device.startswith("cuda") else None}  # fmt: skip

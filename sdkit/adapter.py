@@ -29,9 +29,9 @@ from torch import nn
 from .common import SdkitError, atomic_folder, atomic_path, format_table, write_json
 from .encoders import TextEncoder, TokenRoles, encoder_fingerprint, token_roles
 
-KINDS = ("linear", "mlp")
+KINDS = ("linear", "mlp", "mixer")
 ROLE_CODES = {"bos": 0, "word": 1, "eos": 2, "padding": 3}
-METHODS = ("width_only", "mean", "lstsq", "linear", "mlp")
+METHODS = ("width_only", "mean", "lstsq", "linear", "mlp", "mixer")
 
 
 class TextEncoderAdapter(ModelMixin, ConfigMixin):
@@ -39,6 +39,9 @@ class TextEncoderAdapter(ModelMixin, ConfigMixin):
 
     kind="linear": one linear layer. kind="mlp": the same linear skip plus a GELU branch whose
     last layer starts at zero, so training starts from the linear map and can only add to it.
+    kind="mixer": the same linear skip plus one pre-norm transformer layer over the token sequence
+    (its output projection starts at zero), so each token's state may read its neighbours'; it
+    takes (batch, tokens, width) states and the mask of the real tokens.
 
     standardize=True adds what makes training well-conditioned: inputs are whitened (centred and
     decorrelated with the training inputs' covariance) and targets standardised per dimension.
@@ -58,6 +61,14 @@ class TextEncoderAdapter(ModelMixin, ConfigMixin):
             self.mlp = nn.Sequential(nn.Linear(in_dim, hidden), nn.GELU(), nn.Linear(hidden, out_dim))
             nn.init.zeros_(self.mlp[2].weight)
             nn.init.zeros_(self.mlp[2].bias)
+        if kind == "mixer":
+            hidden = hidden_dim or 256
+            self.mix_in = nn.Linear(in_dim, hidden)
+            self.mixer = nn.TransformerEncoderLayer(hidden, nhead=max(1, hidden // 64), dim_feedforward=2 * hidden,
+                                                    dropout=0.0, batch_first=True, norm_first=True)  # fmt: skip
+            self.mix_out = nn.Linear(hidden, out_dim)
+            nn.init.zeros_(self.mix_out.weight)
+            nn.init.zeros_(self.mix_out.bias)
         if standardize:
             self.register_buffer("input_mean", torch.zeros(in_dim))
             self.register_buffer("input_whitening", torch.eye(in_dim))
@@ -82,15 +93,21 @@ class TextEncoderAdapter(ModelMixin, ConfigMixin):
             raise SdkitError(f"the adapter reads {self.config.in_dim}-wide text states, but these are "
                              f"{states.shape[-1]} wide (shape {list(states.shape)})")  # fmt: skip
 
-    def forward(self, states: torch.Tensor, standardized: bool = False) -> torch.Tensor:
+    def forward(self, states: torch.Tensor, mask: torch.Tensor | None = None, standardized: bool = False) -> torch.Tensor:
         """Adapted states; with standardized=True, the network's output before the target scaling
-        (what training fits)."""
+        (what training fits). `mask` (batch, tokens), true at real tokens, is what the mixer may
+        read (default: every position, as CLIP's padding holds states)."""
         self.check_width(states)
         if self.config.standardize:
             states = (states - self.input_mean) @ self.input_whitening
         out = self.linear(states)
         if self.config.kind == "mlp":
             out = out + self.mlp(states)
+        if self.config.kind == "mixer":
+            if states.ndim != 3:
+                raise SdkitError(f"a mixer adapter reads token sequences (batch, tokens, width), not {list(states.shape)}")
+            padding = None if mask is None else ~mask.bool()
+            out = out + self.mix_out(self.mixer(self.mix_in(states), src_key_padding_mask=padding))
         if standardized or not self.config.standardize:
             return out
         return out * self.target_std + self.target_mean
@@ -115,6 +132,11 @@ class TextEncoderAdapter(ModelMixin, ConfigMixin):
             state["mlp.0.weight"], state["mlp.0.bias"] = fold_input(self.mlp[0].weight, self.mlp[0].bias)
             state["mlp.2.weight"] = std[:, None] * self.mlp[2].weight.double()
             state["mlp.2.bias"] = std * self.mlp[2].bias.double()
+        if self.config.kind == "mixer":
+            state.update({f"mixer.{k}": v for k, v in self.mixer.state_dict().items()})
+            state["mix_in.weight"], state["mix_in.bias"] = fold_input(self.mix_in.weight, self.mix_in.bias)
+            state["mix_out.weight"] = std[:, None] * self.mix_out.weight.double()
+            state["mix_out.bias"] = std * self.mix_out.bias.double()
         plain.load_state_dict({k: v.float() for k, v in state.items()})
         return plain.to(self.device).eval()
 
@@ -232,6 +254,10 @@ class EncodedPrompts:
     def tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(new, old) pairs, float32, of every position the U-Net reads."""
         return self.new[self.read].float(), self.old[self.read].float()
+
+    def sequences(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(new, old, read mask) per prompt, float32: what a token-mixing adapter trains on."""
+        return self.new.float(), self.old.float(), self.read
 
 
 def check_alignment(new: TextEncoder, old: TextEncoder, prompts: list[str]) -> list[TokenRoles]:
@@ -372,34 +398,43 @@ class Interrupted(Exception):
     """Raised by the stop_after hook of train_adapter, to simulate a run killed after a checkpoint."""
 
 
-def train_adapter(train: tuple[torch.Tensor, torch.Tensor], val: tuple[torch.Tensor, torch.Tensor],
-                  config: TrainConfig, checkpoint: str | os.PathLike | None = None, progress: bool = True,
-                  stop_after: int | None = None) -> tuple[TextEncoderAdapter, list[dict]]:  # fmt: skip
-    """Train an adapter on token pairs with accelerate; returns (best adapter, history).
+def train_adapter(train: tuple, val: tuple, config: TrainConfig, checkpoint: str | os.PathLike | None = None,
+                  progress: bool = True, stop_after: int | None = None) -> tuple[TextEncoderAdapter, list[dict]]:  # fmt: skip
+    """Train an adapter with accelerate; returns (best adapter, history).
 
-    Per-token MSE on standardised targets (plus an optional cosine term), AdamW, early stopping on
-    the validation relative MSE. After every epoch a checkpoint (model, optimizer, best weights,
-    history) is written atomically; a run that finds its checkpoint resumes from it, with the same
-    data order (accelerate's seedable sampler, seeded per epoch), so it ends where an
-    uninterrupted run would.
+    train and val are (new, old) token pairs, (tokens, width) each; for the mixer, which reads
+    whole sequences, (new, old, mask): (prompts, tokens, width) states and the (prompts, tokens)
+    mask of the positions the U-Net reads. Per-token MSE on standardised targets (plus an optional
+    cosine term), AdamW, early stopping on the validation relative MSE. After every epoch a
+    checkpoint (model, optimizer, best weights, history) is written atomically; a run that finds
+    its checkpoint resumes from it, with the same data order (accelerate's seedable sampler,
+    seeded per epoch), so it ends where an uninterrupted run would.
     """
     from accelerate import Accelerator, DataLoaderConfiguration
     from torch.utils.data import DataLoader, TensorDataset
     from tqdm import tqdm
 
+    sequences = len(train) == 3
+    if sequences != (config.kind == "mixer"):
+        raise SdkitError(f"a {config.kind} adapter trains on {'token sequences' if config.kind == 'mixer' else 'tokens'}")
     accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=config.seed))
-    x, y = train
+    x, y = train[:2]
+    mask = train[2].bool() if sequences else torch.ones(x.shape[:-1], dtype=torch.bool)
+    flat_x, flat_y = x[mask], y[mask]
     torch.manual_seed(config.seed)
-    model = TextEncoderAdapter(config.kind, x.shape[1], y.shape[1], config.hidden_dim, config.standardize)
+    model = TextEncoderAdapter(config.kind, x.shape[-1], y.shape[-1], config.hidden_dim, config.standardize)
     if config.standardize:
-        model.set_standardization(x, y)
+        model.set_standardization(flat_x, flat_y)
     with torch.no_grad():
         target = (y - model.target_mean) / model.target_std if config.standardize else y
-        if config.kind == "mlp" and config.init_from_lstsq:
+        if config.kind in ("mlp", "mixer") and config.init_from_lstsq:
             # Start the skip at the least-squares map, solved in the space the network sees.
-            inputs = (x - model.input_mean) @ model.input_whitening if config.standardize else x
-            model.linear.load_state_dict(fit_lstsq(inputs, target).linear.state_dict())
-    loader = DataLoader(TensorDataset(x, target, y), batch_size=config.batch_size, shuffle=True)
+            inputs = (flat_x - model.input_mean) @ model.input_whitening if config.standardize else flat_x
+            model.linear.load_state_dict(fit_lstsq(inputs, target[mask]).linear.state_dict())
+    tensors = (x, target, y, mask) if sequences else (x, target, y)
+    # batch_size counts tokens; the mixer takes whole prompts, as many as hold about that many tokens
+    batch = max(1, config.batch_size // x.shape[1]) if sequences else config.batch_size
+    loader = DataLoader(TensorDataset(*tensors), batch_size=batch, shuffle=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     raw = accelerator.unwrap_model(model)
@@ -407,10 +442,17 @@ def train_adapter(train: tuple[torch.Tensor, torch.Tensor], val: tuple[torch.Ten
     # Everything that decides the result: the settings and the token pairs themselves (so other
     # encoders, layers, prompts or splits can never resume this checkpoint).
     fingerprint = _run_fingerprint(config, train, val)
-    x_val, y_val = (t.to(accelerator.device) for t in val)
-    train_mean = y.mean(0).to(accelerator.device)
-    with torch.no_grad():  # the starting point counts: an mlp started at lstsq never ends worse on validation
-        start_rel = relative_mse(raw(x_val), y_val, train_mean)
+    x_val, y_val = (t.to(accelerator.device) for t in val[:2])
+    mask_val = val[2].bool().to(accelerator.device) if sequences else None
+    train_mean = flat_y.mean(0).to(accelerator.device)
+
+    def validation_error() -> float:
+        with torch.no_grad():
+            if sequences:
+                return relative_mse(raw(x_val, mask_val)[mask_val], y_val[mask_val], train_mean)
+            return relative_mse(raw(x_val), y_val, train_mean)
+
+    start_rel = validation_error()  # the starting point counts: an mlp started at lstsq never ends worse
     state = {"epoch": 0, "best": start_rel, "bad_epochs": 0, "history": [{"epoch": 0, "val_rel_mse": start_rel}]}
     best_weights = copy.deepcopy(raw.state_dict())
     if checkpoint and Path(checkpoint).is_file():
@@ -421,10 +463,13 @@ def train_adapter(train: tuple[torch.Tensor, torch.Tensor], val: tuple[torch.Ten
         model.train()
         loader.set_epoch(state["epoch"])
         total, count, epoch_start = 0.0, 0, time.perf_counter()
-        for step, (xb, tb, yb) in enumerate(loader, start=state["epoch"] * len(loader)):
+        for step, (xb, tb, yb, *mb) in enumerate(loader, start=state["epoch"] * len(loader)):
             for group in optimizer.param_groups:  # cosine decay, a function of the step: resumes exactly
                 group["lr"] = config.lr * 0.5 * (1 + math.cos(math.pi * step / (config.max_epochs * len(loader))))
-            out = model(xb, standardized=True)  # through the wrapper, so several GPUs sync gradients
+            if sequences:  # through the wrapper, so several GPUs sync gradients; only read positions count
+                out, tb, yb = model(xb, mb[0], standardized=True)[mb[0]], tb[mb[0]], yb[mb[0]]
+            else:
+                out = model(xb, standardized=True)
             loss = F.mse_loss(out, tb)
             if config.cosine_weight:
                 pred = out * raw.target_std + raw.target_mean if config.standardize else out
@@ -432,10 +477,9 @@ def train_adapter(train: tuple[torch.Tensor, torch.Tensor], val: tuple[torch.Ten
             optimizer.zero_grad()
             accelerator.backward(loss)
             optimizer.step()
-            total, count = total + loss.item() * len(xb), count + len(xb)
+            total, count = total + loss.item() * len(out), count + len(out)
         model.eval()
-        with torch.no_grad():
-            val_rel = relative_mse(raw(x_val), y_val, train_mean)
+        val_rel = validation_error()
         state["epoch"] += 1
         state["history"].append({"epoch": state["epoch"], "train_loss": total / max(count, 1), "val_rel_mse": val_rel,
                                  "seconds": time.perf_counter() - epoch_start})  # fmt: skip
@@ -634,9 +678,14 @@ class AdapterReport:
     timings: dict[str, float] = field(default_factory=dict)
     unet: str | None = None
     saved: dict[str, str] = field(default_factory=dict)
+    adapters: dict = field(default_factory=dict, repr=False)  # method -> the adapter itself (not in JSON)
 
     def to_json(self) -> dict:
-        return asdict(self)
+        adapters, self.adapters = self.adapters, {}
+        try:
+            return asdict(self)
+        finally:
+            self.adapters = adapters
 
     def best_linear(self) -> str:
         return min(("lstsq", "linear"), key=lambda m: self.methods[m]["rel_mse"] if m in self.methods else math.inf)
@@ -672,10 +721,12 @@ def compare_adapters(new: TextEncoder, old: TextEncoder, prompts: list[str], kin
         run = TrainConfig(**{**asdict(config), "kind": kind})
         checkpoint = Path(checkpoint_dir) / f"{kind}.checkpoint.safetensors" if checkpoint_dir else None
         start = time.perf_counter()
-        adapters[kind], report.histories[kind] = train_adapter((x_train, y_train), val.tokens(), run, checkpoint,
-                                                               progress)  # fmt: skip
+        data_train, data_val = ((train.sequences(), val.sequences()) if kind == "mixer" else
+                                ((x_train, y_train), val.tokens()))  # fmt: skip
+        adapters[kind], report.histories[kind] = train_adapter(data_train, data_val, run, checkpoint, progress)
         report.timings[f"{kind}_seconds"] = time.perf_counter() - start
         report.timings[f"{kind}_epochs"] = len(report.histories[kind]) - 1
+    report.adapters = adapters
     references: dict = {}
     test_new = test.new.float()
     if unet is not None:
@@ -686,7 +737,7 @@ def compare_adapters(new: TextEncoder, old: TextEncoder, prompts: list[str], kin
             pred = train_mean.expand(*test.old.shape[:2], -1)
         elif method in adapters:
             with torch.no_grad():
-                pred = adapters[method](test_new)
+                pred = adapters[method](test_new, test.read)
         else:
             continue
         parts = _prompt_parts(pred, test, train_mean)
@@ -734,9 +785,10 @@ def compare_methods(r: AdapterReport, a: str, b: str, metric: str = "rel_mse") -
 
 
 def format_report(r: AdapterReport) -> str:
+    import textwrap
+
     show = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     has_unet = any("unet_rel_error" in m for m in r.methods.values())
-    columns = COLUMNS + (UNET_COLUMNS if has_unet else [])
 
     def cell(m: dict, key: str | None) -> str:
         if key is None:
@@ -746,13 +798,19 @@ def format_report(r: AdapterReport) -> str:
             return f"{show(m.get(key))} [{show(lo)}, {show(hi)}]"
         return show(m.get(key))
 
-    rows = [[method, *(cell(m, key) for _, key, _ in columns)] for method, m in r.methods.items()]
     out = [f"new encoder: {r.new}", f"old encoder: {r.old}",
            f"prompts: {r.prompts['train']} train / {r.prompts['val']} validation / {r.prompts['test']} held-out test "
-           f"({r.tokens['train']:,} training tokens; states {'read from the cache' if r.from_cache else 'encoded and cached'})", ""]  # fmt: skip
-    out.append(format_table(["method", *(c for c, _, _ in columns)], rows, title="Held-out prompts"))
+           f"({r.tokens['train']:,} training tokens; states {'read from the cache' if r.from_cache else 'encoded and cached'})"]  # fmt: skip
+    # Two tables, so that lines stay within 120 columns: per token, then per prompt and at the U-Net.
+    for title, columns in (("Held-out prompts, per token", COLUMNS[:6]),
+                           ("Held-out prompts, per prompt" + (" and at the U-Net" if has_unet else ""),
+                            COLUMNS[6:] + (UNET_COLUMNS if has_unet else []))):  # fmt: skip
+        rows = [[method, *(cell(m, key) for _, key, _ in columns)] for method, m in r.methods.items()]
+        out += ["", format_table(["method", *(c for c, _, _ in columns)], rows, title=title)]
     out.append("\nColumns:")
-    out += [f"  {header:<18} {definition}" for header, _, definition in columns]
+    for header, _, definition in COLUMNS + (UNET_COLUMNS if has_unet else []):
+        lines = textwrap.wrap(definition, 98)
+        out += [f"  {header:<18} {lines[0]}", *(f"  {'':<18} {line}" for line in lines[1:])]
     if has_unet:
         out.append(f"  U-Net: {r.unet}")
     best = r.best_linear()
@@ -762,13 +820,19 @@ def format_report(r: AdapterReport) -> str:
         said = {"better": "beats", "worse": "is worse than", "within noise": "ties (intervals overlap) with"}[verdict]
         out.append(f"\nmlp {said} the best linear map ({best}) on held-out relMSE: {mlp:.4f} vs {lin:.4f} "
                    f"({100 * (lin - mlp) / lin:+.1f} %)")  # fmt: skip
+    if "mixer" in r.methods and "mlp" in r.methods and "interval" in r.methods["mixer"]:
+        verdict = compare_methods(r, "mixer", "mlp")
+        said = {"better": "beats", "worse": "is worse than", "within noise": "ties (intervals overlap) with"}[verdict]
+        out.append(f"mixer (reads neighbouring tokens) {said} the per-token mlp: {r.methods['mixer']['rel_mse']:.4f} "
+                   f"vs {r.methods['mlp']['rel_mse']:.4f}")  # fmt: skip
     if {"linear", "lstsq"} <= r.methods.keys() and r.methods["linear"]["rel_mse"] > r.methods["lstsq"]["rel_mse"]:
         history = r.histories.get("linear", [])
         stopped = f"{len(history) - 1} epochs" if history else "its epochs"
-        out.append(f"linear trails lstsq ({r.methods['linear']['rel_mse']:.4f} vs {r.methods['lstsq']['rel_mse']:.4f}, "
-                   f"{compare_methods(r, 'linear', 'lstsq').replace('worse', 'outside the noise')}): lstsq is the exact "
-                   f"least-squares optimum of the same objective, which training approaches in {stopped} "
-                   "(early stopping on validation)")  # fmt: skip
+        verdict = compare_methods(r, "linear", "lstsq").replace("worse", "outside the noise")
+        out += textwrap.wrap(f"linear trails lstsq ({r.methods['linear']['rel_mse']:.4f} vs "
+                             f"{r.methods['lstsq']['rel_mse']:.4f}, {verdict}): lstsq is the exact least-squares optimum "
+                             f"of the same objective, which training approaches in {stopped} (early stopping on "
+                             "validation)", 118)  # fmt: skip
     for kind, history in r.histories.items():
         best_epoch = min(history, key=lambda h: h["val_rel_mse"])
         out.append(f"{kind}: {len(history) - 1} epochs, best validation relMSE {best_epoch['val_rel_mse']:.4f} "
@@ -789,7 +853,11 @@ def adapted_embeddings(adapter: TextEncoderAdapter, encoder: TextEncoder, prompt
     """
     states = encoder.encode(prompts).float()
     adapter.check_width(states)
-    return adapter(states.to(adapter.device))
+    if encoder.pads_with_states:  # CLIP-style: every position holds a state and is read
+        return adapter(states.to(adapter.device))
+    # Masked encoders leave zeros past the prompt, and a U-Net trained on them expects zeros there.
+    real = encoder.real_mask(prompts).to(adapter.device)
+    return adapter(states.to(adapter.device), real) * real.unsqueeze(-1)
 
 
 TINY_PAIR = ("tiny-clip-1024", "tiny-clip-768")

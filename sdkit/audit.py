@@ -259,11 +259,17 @@ def format_audit(a: Audit) -> str:
     ]
     out.append(format_table(["part", "params", "of blocks"], rows))
     used = [r for r in ROLES if any(level["roles"][r] for level in a.levels)]
-    rows = [[lv["name"], lv["latent_side"], *(lv["roles"][r] for r in used), lv["total"]] for lv in a.levels]
-    rows.append(["total", "", *(a.roles[r] for r in used), a.total])
-    out += ["", format_table(["level", "side", *(_SHORT.get(r, r) for r in used), "total"], rows,
-                             title=f"Per level (side: {'latent' if a.grid_factor > 1 else 'grid'} cells per side at "
-                                   f"{a.image_size}x{a.image_size} px)")]  # fmt: skip
+    # Two tables of at most seven roles each, so that lines stay within 120 columns.
+    halves = [[r for r in used if r in ROLES[:7]], [r for r in used if r not in ROLES[:7]]]
+    for part, roles in zip(("attention blocks", "the rest"), halves):
+        if not roles:
+            continue
+        rows = [[lv["name"], lv["latent_side"], *(lv["roles"][r] for r in roles),
+                 sum(lv["roles"][r] for r in roles)] for lv in a.levels]  # fmt: skip
+        rows.append(["total", "", *(a.roles[r] for r in roles), sum(a.roles[r] for r in roles)])
+        title = (f"Per level, {part} (side: {'latent' if a.grid_factor > 1 else 'grid'} cells per side at "
+                 f"{a.image_size}x{a.image_size} px)")  # fmt: skip
+        out += ["", format_table(["level", "side", *(_SHORT.get(r, r) for r in roles), "sum"], rows, title=title)]
     if a.components:
         rows = [[c, v["params"], ", ".join(sorted(v["dtypes"])), format_bytes(v["bytes"])] for c, v in a.components.items()]
         out += ["", format_table(["component", "params", "dtype", "bytes"], rows)]
@@ -271,11 +277,63 @@ def format_audit(a: Audit) -> str:
         groups = Counter((c["name"].rsplit(".", 2)[-2], tuple(c["old_shape"]), tuple(c["new_shape"])) for c in s["changed"])
         rows = [[f"attn2.{t}", list(old), list(new), n, n * new[0] * (new[1] - old[1])] for (t, old, new), n in groups.items()]
         rows.append(["total", "", "", s["changed_tensors"], s["parameter_change"]])
-        title = (f"Text width {s['old_width']} -> {s['new_width']}: the U-Net goes from {s['total_before']:,} "
-                 f"to {s['total_after']:,} parameters ({s['parameter_change']:+,}), only in these tensors:")  # fmt: skip
+        title = (f"Text width {s['old_width']} -> {s['new_width']}: the U-Net goes from {s['total_before']:,} to "
+                 f"{s['total_after']:,} parameters\n({s['parameter_change']:+,}), only in these tensors:")  # fmt: skip
         out += ["", format_table(["tensor", "old shape", "new shape", "count", "change"], rows, title=title)]
         out.append(
-            f"Or keep the U-Net as it is and put a linear adapter {s['new_width']} -> {s['old_width']} in front: "
+            f"Or keep the U-Net as it is and put a linear adapter {s['new_width']} -> {s['old_width']} in front:\n"
             f"{s['linear_adapter_parameters']:,} parameters (trained, see `sdkit adapter`)."
         )
     return "\n".join(out)
+
+
+# --- the paper table -------------------------------------------------------------------------------------------
+
+PAPER_COLUMNS = ("model", "image px", "U-Net params", "blocks", "in blocks", "% of U-Net", "MLP", "self-attn",
+                 "cross-attn", "norm", "proj", "MLP share")  # fmt: skip
+
+
+def paper_rows(audits: list[Audit]) -> list[list]:
+    """One row per model: the Transformer2D blocks' parameters by part. The parts (MLP, self- and
+    cross-attention, norm, proj_in/out) add up to 'in blocks'; 'image px' is the side the model was
+    made for."""
+    rows = []
+    for a in audits:
+        b = a.attention_blocks
+        rows.append([a.source, a.image_size, a.total, b["count"], b["total"], 100 * b["total"] / a.total, b["mlp"],
+                     b["self_attention"], b["cross_attention"], b["norm"], b["proj"], 100 * b["mlp_share"]])  # fmt: skip
+    return rows
+
+
+def paper_table(audits: list[Audit], fmt: str = "markdown") -> str:
+    """The table as Markdown, CSV or LaTeX (booktabs)."""
+    rows = paper_rows(audits)
+
+    def text(value, latex: bool = False) -> str:
+        if isinstance(value, float):
+            return f"{value:.1f}" + (r"\%" if latex else " %")
+        if isinstance(value, int):
+            return f"{value:,}" if not latex else f"{value:,}".replace(",", "{,}")
+        return str(value).replace("_", r"\_") if latex else str(value)
+
+    if fmt == "csv":
+        import csv
+        import io
+
+        buffer = io.StringIO()
+        writer = csv.writer(buffer, lineterminator="\n")
+        writer.writerow(PAPER_COLUMNS)
+        writer.writerows([[f"{v:.2f}" if isinstance(v, float) else v for v in row] for row in rows])
+        return buffer.getvalue()
+    if fmt == "latex":
+        lines = [r"\begin{tabular}{l" + "r" * (len(PAPER_COLUMNS) - 1) + "}", r"\toprule",
+                 " & ".join(c.replace("%", r"\%") for c in PAPER_COLUMNS) + r" \\", r"\midrule"]  # fmt: skip
+        lines += [" & ".join(text(v, latex=True) for v in row) + r" \\" for row in rows]
+        lines += [r"\bottomrule", r"\end{tabular}"]
+        return "\n".join(lines) + "\n"
+    if fmt != "markdown":
+        raise SdkitError(f"unknown table format {fmt!r}; choose markdown, csv or latex")
+    lines = ["| " + " | ".join(PAPER_COLUMNS) + " |", "|---" + "|---:" * (len(PAPER_COLUMNS) - 1) + "|"]
+    lines += ["| " + " | ".join(text(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+

@@ -215,9 +215,32 @@ def _inner_to_original(kind: str, rest: list[str]) -> str:
     return _RESNET_TO_ORIGINAL.get(inner, inner) if kind == "resnets" else inner
 
 
-def index_checkpoint(spec: str | os.PathLike, allow_pickle: bool = False) -> CheckpointIndex:
-    """Index a preset name, a diffusers model or pipeline folder, or a checkpoint file."""
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_FILE_SUFFIXES = (".safetensors", *PICKLE_SUFFIXES)
+
+
+def resolve_local(spec: str | os.PathLike) -> str:
+    """A Hugging Face hub id (owner/name) as its snapshot folder in the local hub cache, offline;
+    anything else as it is. A hub id that is not in the cache gets one line saying where to put it."""
     spec = str(spec)
+    if spec in PRESETS or Path(spec).exists() or not HUB_ID.fullmatch(spec) or spec.endswith(_FILE_SUFFIXES):
+        return spec
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(spec, local_files_only=True)
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        raise SdkitError(f"{spec}: no such file or folder, and not in the local Hugging Face cache "
+                         f"({constants.HF_HUB_CACHE}); sdkit never downloads: fetch it there with "
+                         f"`huggingface-cli download {spec}` where there is a network, or pass a local path") from None
+
+
+def index_checkpoint(spec: str | os.PathLike, allow_pickle: bool = False) -> CheckpointIndex:
+    """Index a preset name, a diffusers model or pipeline folder (or a hub id in the local Hugging
+    Face cache), or a checkpoint file."""
+    source = str(spec)
+    spec = resolve_local(spec)
     if spec in PRESETS:
         from .loading import module_index
         from .presets import build_unet
@@ -226,7 +249,9 @@ def index_checkpoint(spec: str | os.PathLike, allow_pickle: bool = False) -> Che
         return CheckpointIndex(spec, "preset", "diffusers", {"unet": module_index(unet)}, config=preset_config(spec))
     path = Path(spec)
     if path.is_dir():
-        return _index_folder(path, allow_pickle)
+        index = _index_folder(path, allow_pickle)
+        index.source = source  # the hub id, when it came from the cache
+        return index
     if not path.exists():
         hint = "" if os.sep in spec or "." in spec else f" (and not a preset: {', '.join(PRESETS)})"
         raise SdkitError(f"{spec}: no such file or folder{hint}")

@@ -138,9 +138,12 @@ def _check_outputs(args, files=(), folders=()) -> None:
 
 
 def _check_input(path: str, what: str) -> None:
+    """A missing input, said before the heavy imports (a hub id is looked up in the cache later)."""
     from pathlib import Path
 
-    if not Path(path).exists():
+    from .checkpoints import HUB_ID
+
+    if not Path(path).exists() and not HUB_ID.fullmatch(str(path)):
         raise SdkitError(f"{path}: no such file or folder ({what})")
 
 
@@ -187,8 +190,86 @@ def cmd_scoretable(args) -> None:
     _report(args, {**tables.to_json(), "measured": [asdict(m) for m in measured]}, table)
 
 
+def _timesteps(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of timesteps: {text!r} (e.g. 100,500,900)") from None
+    if any(not 0 <= t < 1000 for t in values):
+        raise argparse.ArgumentTypeError(f"timesteps are 0 to 999: {text!r}")
+    return values
+
+
+def _minisd_spec(unet: str):
+    """The mini SD spec when `unet` is a mini SD folder, else None."""
+    from pathlib import Path
+
+    from .minisd.pipeline import SPEC_FILE, MiniSDSpec
+
+    return MiniSDSpec.read(unet) if (Path(unet) / SPEC_FILE).is_file() else None
+
+
+def _minisd_findings(args) -> None:
+    """condition --masks / --generate: measured on a mini SD, whose generator is the answer key."""
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from .minisd.pipeline import SPEC_FILE, MiniSDPipeline
+
+    if _minisd_spec(args.unet) is None:
+        raise SdkitError(f"{args.unet}: --masks and --generate need a mini SD folder (with {SPEC_FILE}): the answer "
+                         "key is its generator's masks and judge (try --unet weights/minisd)")  # fmt: skip
+    pipe = MiniSDPipeline.from_pretrained(args.unet, args.text_encoder, args.encoders_dir, allow_pickle=args.allow_pickle)
+    if args.masks:
+        from .localization import draw_examples, format_localization, generated_set, generator_set, localize
+
+        reports, tables = [], []
+        for source in ("generator", "generated"):
+            with tqdm(total=args.count * len(args.timesteps), desc=f"maps on {source} images", unit="image",
+                      leave=False, disable=args.json) as bar:  # fmt: skip
+                if source == "generator":
+                    images, scenes, masks = generator_set(args.count, pipe.spec.image_size)
+                else:
+                    images, scenes, masks = generated_set(pipe, args.count, args.guidance, args.steps)
+                report = localize(pipe, images, scenes, masks, args.timesteps, model_name=args.unet, source=source,
+                                  progress=bar)  # fmt: skip
+            if source == "generated":
+                found = sum(m is not None for ms in masks for m in ms)
+                report.note = f"judge found {found} of {sum(len(ms) for ms in masks)} named objects in the generated images"
+            reports.append(report)
+            tables.append(format_localization(report))
+            if args.plot:
+                stem = Path(args.plot)
+                draw_examples(report, stem.with_name(f"{stem.stem}-{source}{stem.suffix or '.png'}"))
+        _report(args, {"localization": [r.to_json() for r in reports]}, "\n\n".join(tables))
+        return
+    from .minisd.conditions import compare_token_conditions, draw_comparison, format_token_comparison
+
+    pooled = None
+    if args.pooled_model:
+        pooled = MiniSDPipeline.from_pretrained(args.pooled_model, args.text_encoder, args.encoders_dir,
+                                                allow_pickle=args.allow_pickle)  # fmt: skip
+    runs = 2 * args.count * (6 + (pooled is not None))
+    with tqdm(total=runs, desc="generating", unit="image", leave=False, disable=args.json) as bar:
+        result = compare_token_conditions(pipe, pooled, args.count, args.guidance, args.steps, model_name=args.unet,
+                                          pooled_name=args.pooled_model, progress=bar)  # fmt: skip
+    table = format_token_comparison(result)
+    if args.plot:
+        draw_comparison(result, args.plot)
+        table += f"\nwrote {args.plot}"
+    _report(args, result.to_json(), table)
+
+
 def cmd_condition(args) -> None:
-    _check_outputs(args, folders=("maps",))
+    _check_outputs(args, files=("plot",), folders=("maps",))
+    if args.masks and args.generate:
+        raise SdkitError("choose one of --masks and --generate")
+    if args.masks or args.generate:
+        _check_input(args.unet, "--unet")
+        if args.pooled_model:
+            _check_input(args.pooled_model, "--pooled-model")
+        return _minisd_findings(args)
     if args.tokenizer and not args.text_encoder:
         raise SdkitError("--tokenizer needs --text-encoder (the tokenizer labels the encoder's tokens)")
     if args.unet not in PRESET_NAMES.split(", "):
@@ -210,7 +291,14 @@ def cmd_condition(args) -> None:
     unet = unet.to(device)
     note = "preset with RANDOM weights: the numbers show the mechanism, not what a trained model reads" \
         if args.unet in PRESETS else ""  # fmt: skip
-    if args.text_encoder:
+    spec = _minisd_spec(args.unet)
+    if spec is not None:  # a mini SD reads its own encoder, at its own context length
+        from .minisd.pipeline import find_text_encoder
+
+        note = f"trained mini SD, pixel space, reading {spec.text_encoder} ({spec.max_length} tokens)"
+        encoder = find_text_encoder(spec, args.text_encoder, args.encoders_dir, args.allow_pickle)
+        conditioning = prompt_conditionings(encoder, args.prompt)
+    elif args.text_encoder:
         encoder = load_text_encoder(args.text_encoder, args.tokenizer, layer=args.layer,
                                     allow_pickle=args.allow_pickle)  # fmt: skip
         conditioning = prompt_conditionings(encoder, args.prompt)
@@ -250,18 +338,37 @@ def _run_comparison(args, new_dir, old_dir, prompts, note: str | None = None) ->
     from .loading import load_unet
     from .presets import PRESETS
 
-    new = load_text_encoder(new_dir, layer=args.new_layer, allow_pickle=args.allow_pickle)
-    old = load_text_encoder(old_dir, layer=args.old_layer, allow_pickle=args.allow_pickle)
+    spec = _minisd_spec(args.unet) if args.unet != "none" else None
+    # A mini SD reads a shorter context than SD's 77 tokens: both encoders are read at its length.
+    length = {"context_length": spec.max_length} if spec else {}
+    new = load_text_encoder(new_dir, layer=args.new_layer, allow_pickle=args.allow_pickle, **length)
+    old = load_text_encoder(old_dir, layer=args.old_layer, allow_pickle=args.allow_pickle, **length)
     unet = load_unet(args.unet, allow_pickle=args.allow_pickle) if args.unet != "none" else None
     kinds = [k for k in args.kinds.split(",") if k]
     unet_name = f"{args.unet} preset, RANDOM weights: shows the check, not a trained SD U-Net" \
         if args.unet in PRESETS else args.unet  # fmt: skip
+    if spec:
+        unet_name = f"{args.unet} (trained mini SD)"
     report = compare_adapters(new, old, prompts, kinds, _train_config(args), unet, unet_name, args.cache,
                               args.out, args.checkpoints, seed=args.seed, progress=not args.json)  # fmt: skip
     table = format_report(report)
     if note:
         table = f"Encoders: {note}\n\n{table}"
-    _report(args, {"encoders": note, **report.to_json()}, table)
+    data = {"encoders": note, **report.to_json()}
+    if spec and args.judge:
+        from tqdm import tqdm
+
+        from .minisd.adapters import SETS, format_judged, judge_adapters
+        from .minisd.pipeline import MiniSDPipeline, read_scheduler_config
+
+        pipe = MiniSDPipeline(unet, read_scheduler_config(args.unet), spec, old)
+        adapters = report.adapters
+        total = args.judge * len(SETS) * (1 + len(adapters))
+        with tqdm(total=total, desc="judging", unit="image", leave=False, disable=args.json) as bar:
+            judged = judge_adapters(pipe, new, adapters, count=args.judge, progress=bar)
+        table += "\n\n" + format_judged(judged, args.unet)
+        data["judged"] = judged
+    _report(args, data, table)
 
 
 def _check_training_outputs(args) -> None:
@@ -272,6 +379,9 @@ def cmd_adapter_demo(args) -> None:
     _check_training_outputs(args)
     from .adapter import available_pair, generate_prompts
 
+    if args.full:  # the benchmark's run: more prompts and epochs, the numbers the README reports
+        args.prompts, args.epochs = max(args.prompts, 2400), max(args.epochs, 24)
+        print("the full comparison takes about 15 minutes on 2 CPU cores", file=sys.stderr, flush=True)
     new_dir, old_dir, note = available_pair(args.encoders_dir)
     _run_comparison(args, new_dir, old_dir, generate_prompts(args.prompts, seed=args.seed), note)
 
@@ -282,7 +392,14 @@ def cmd_adapter_train(args) -> None:
         _check_input(getattr(args, flag), f"--{flag}")
     from .adapter import generate_prompts, read_prompts
 
-    prompts = read_prompts(args.corpus) if args.corpus else generate_prompts(args.generate, seed=args.seed)
+    if args.corpus and args.captions:
+        raise SdkitError("choose one of --corpus and --captions")
+    if args.captions:
+        from .minisd.adapters import training_captions
+
+        prompts = training_captions(args.captions, seed=args.seed)
+    else:
+        prompts = read_prompts(args.corpus) if args.corpus else generate_prompts(args.generate, seed=args.seed)
     _run_comparison(args, args.new, args.old, prompts)
 
 
@@ -324,7 +441,7 @@ def cmd_minisd_train(args) -> None:
 
     settings = TrainSettings(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                              image_size=args.image_size, conditioning=args.conditioning,
-                             empty_fraction=args.empty_fraction)  # fmt: skip
+                             empty_fraction=args.empty_fraction, pair_fraction=args.pair_fraction)  # fmt: skip
     settings.check()
     folder = args.text_encoder or os.path.join(args.encoders_dir, "all-MiniLM-L6-v2")
     _check_input(folder, "the text encoder; python scripts/get_real_encoders.py puts it in weights/encoders")
@@ -452,7 +569,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run one U-Net, latent and timestep under single-token, repeated-token and "
                                    "multi-token conditioning and trace every cross-attention layer.")  # fmt: skip
     p.add_argument("--unet", default="tiny", help="preset (random weights), diffusers folder or checkpoint")
-    p.add_argument("--prompt", default="a photo of a red cat sitting on a blue chair", help="the prompt to encode")
+    p.add_argument("--prompt", default="a photo of a red cat sitting on a blue chair",
+                   help="the prompt to encode (for a mini SD, try 'a red circle to the left of a blue square')")  # fmt: skip
     p.add_argument("--text-encoder", metavar="DIR", help="local transformers text encoder (or SD pipeline folder)")
     p.add_argument("--tokenizer", metavar="DIR", help="its tokenizer, when not beside it")
     p.add_argument("--layer", default="last", help="text-encoder layer the U-Net reads: last (SD 1.x) or penultimate (SD 2.x)")
@@ -464,6 +582,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--map-sides", type=_sides, help="only layers with these grid sides in the maps, e.g. 16,32")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
     p.add_argument("--allow-pickle", action="store_true", help="read pickle weights (with weights_only=True)")
+    p.add_argument("--masks", action="store_true",
+                   help="mini SD: score each colour and shape word's attention map against its object's mask")  # fmt: skip
+    p.add_argument("--generate", action="store_true",
+                   help="mini SD: generate and judge images under one-token and many-token conditioning")  # fmt: skip
+    p.add_argument("--count", type=positive_int, default=64, help="--masks/--generate: images per set")
+    p.add_argument("--timesteps", type=_timesteps, default=(100, 300, 500, 700, 900),
+                   help="--masks: timesteps to noise the images to (comma-separated)")  # fmt: skip
+    p.add_argument("--pooled-model", metavar="DIR", help="--generate: a mini SD trained on the pooled state only")
+    p.add_argument("--guidance", type=nonnegative_float, default=4.0, help="--masks/--generate: guidance scale")
+    p.add_argument("--steps", type=positive_int, default=25, help="--masks/--generate: sampling steps")
+    p.add_argument("--encoders-dir", default="weights/encoders", help="where the mini SD's text encoder is")
+    p.add_argument("--plot", metavar="FILE.png", help="--masks/--generate: the picture")
     _add_json(p)
     p.set_defaults(func=cmd_condition)
 
@@ -492,10 +622,14 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--checkpoints", help="write (and resume from) training checkpoints here")
         q.add_argument("--out", default=default_out, help="save the adapters and report.json here")
         q.add_argument("--allow-pickle", action="store_true", help="read pickle weights (with weights_only=True)")
+        q.add_argument("--judge", type=nonnegative_int, default=64,
+                       help="with a mini SD as --unet: prompts per set to generate and judge through each adapter "
+                            "(0: skip)")  # fmt: skip
         _add_json(q)
 
-    q = adapter_sub.add_parser("demo", help="the whole comparison on the best encoders available here")
-    q.add_argument("--prompts", type=positive_int, default=600, help="generated prompts")
+    q = adapter_sub.add_parser("demo", help="the whole comparison on the best encoders available here (minutes)")
+    q.add_argument("--prompts", type=positive_int, default=300, help="generated prompts")
+    q.add_argument("--full", action="store_true", help="the benchmark-sized run: 2,400 prompts, 24 epochs")
     q.add_argument("--encoders-dir", default="weights/encoders", help="where to look for (or build) encoders")
     training_options(q, "weights/adapters/demo")
     q.set_defaults(adapter_func=cmd_adapter_demo)
@@ -505,6 +639,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--old", required=True, metavar="DIR", help="the encoder the U-Net was trained with")
     q.add_argument("--corpus", metavar="FILE", help="prompts, one per line (default: generated prompts)")
     q.add_argument("--generate", type=positive_int, default=2000, help="how many prompts to generate without --corpus")
+    q.add_argument("--captions", type=positive_int, metavar="N",
+                   help="train on N of the mini SD's training captions instead of generic prompts")  # fmt: skip
     training_options(q, "weights/adapters/latest")
     q.set_defaults(adapter_func=cmd_adapter_train)
 
@@ -541,7 +677,7 @@ def build_parser() -> argparse.ArgumentParser:
         encoder_options(q)
         _add_json(q)
 
-    q = minisd_sub.add_parser("train", help="train a mini SD (the shipped one: the defaults, ~27 min on 2 CPU cores)")
+    q = minisd_sub.add_parser("train", help="train a mini SD (the shipped one: the defaults, ~23 min on 2 CPU cores)")
     q.add_argument("--out", default="weights/minisd", help="save the model folder here")
     q.add_argument("--steps", type=positive_int, default=1600, help="optimizer steps")
     q.add_argument("--batch-size", type=positive_int, default=32, help="images per step")
@@ -551,6 +687,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--conditioning", choices=("tokens", "pooled"), default="tokens",
                    help="tokens: every token state; pooled: their mean, one key/value")  # fmt: skip
     q.add_argument("--empty-fraction", type=nonnegative_float, default=0.1, help="captions dropped for guidance")
+    q.add_argument("--pair-fraction", type=nonnegative_float, default=0.5, help="images with two objects")
     q.add_argument("--checkpoints", metavar="DIR", help="write (and resume from) a checkpoint here")
     q.add_argument("--checkpoint-every", type=positive_int, default=200, help="steps between checkpoints")
     q.add_argument("--cache", default="weights/cache", help="where the caption states are cached")

@@ -410,26 +410,26 @@ def _mass_by_role(mass: list[float], conditioning: Conditioning, case: str) -> d
 # --- output ---------------------------------------------------------------------------------------
 
 
-def short_layer_name(name: str) -> str:
-    """down_blocks.1.attentions.0.transformer_blocks.0.attn2 -> down1.a0.t0"""
-    name = re.sub(r"(down|up)_blocks\.(\d+)\.attentions\.(\d+)", r"\1\2.a\3", name)
-    name = name.replace("mid_block.attentions.0", "mid")
-    return re.sub(r"\.transformer_blocks\.(\d+)\.attn2$", r".t\1", name)
+FLOAT_NOISE = 1e-5  # spreads below this are rounding, not cells reading different things
+
+
+def _spread(value: float) -> str:
+    return "≈0" if abs(value) < FLOAT_NOISE else f"{value:.4g}"
 
 
 def format_comparison(c: Comparison) -> str:
     names = list(c.cases)
     layers = list(next(iter(c.cases.values()))["layers"])
-    rows = [[short_layer_name(layer), "x".join(map(str, c.cases[names[0]]["layers"][layer]["grid"] or ["?"])),
-             *(c.cases[n]["layers"][layer]["spatial_spread"] for n in names)] for layer in layers]  # fmt: skip
+    rows = [[layer, "x".join(map(str, c.cases[names[0]]["layers"][layer]["grid"] or ["?"])),
+             *(_spread(c.cases[n]["layers"][layer]["spatial_spread"]) for n in names)] for layer in layers]  # fmt: skip
     out = [f"U-Net: {c.unet}{f' ({c.note})' if c.note else ''}; latent {c.latent_size[0]}x{c.latent_size[1]}, "
            f"timestep {c.timestep}",
            f"Text: {c.conditioning}", ""]  # fmt: skip
-    out.append(format_table(["layer", "grid", *names], rows,
+    out.append(format_table(["layer (as in the API)", "grid", *names], rows,
                             title="Spatial spread of the cross-attention output, ||O - mean_cells O|| / ||O|| "
-                                  "(0: every cell receives the same vector)"))  # fmt: skip
-    rows = [[n, v["tokens"], v["overall"]["spatial_spread"], v["overall"]["spatial_spread_min"],
-             v["overall"]["spatial_spread_max"], v["overall"]["entropy"], v["overall"]["effective_tokens"]]
+                                  f"(0: every cell receives the same vector; ≈0: below {FLOAT_NOISE:g}, rounding)"))  # fmt: skip
+    rows = [[n, v["tokens"], _spread(v["overall"]["spatial_spread"]), _spread(v["overall"]["spatial_spread_min"]),
+             _spread(v["overall"]["spatial_spread_max"]), v["overall"]["entropy"], v["overall"]["effective_tokens"]]
             for n, v in c.cases.items()]  # fmt: skip
     out += ["", format_table(["case", "tokens", "spread", "min", "max", "entropy", "eff. tokens"], rows,
                              title="Overall (mean over layers; entropy in nats per cell, eff. tokens = exp(entropy))")]  # fmt: skip
@@ -440,7 +440,16 @@ def format_comparison(c: Comparison) -> str:
         words = c.cases["multi"]["mass_by_word"]
         rows = [[w["word"], len(w["positions"]), f"{100 * w['mass']:.2f} %"] for w in words]
         out += ["", format_table(["word", "pieces", "mass"], rows, title="Attention mass per word (multi)")]
+    out.append("\n" + conclusion(c))
     return "\n".join(out)
+
+
+def conclusion(c: Comparison) -> str:
+    """One line: does one token (or one repeated) give every cell the same vector, and many not?"""
+    flat = [n for n, v in c.cases.items() if v["overall"]["spatial_spread_max"] < FLOAT_NOISE]
+    varied = [n for n, v in c.cases.items() if v["overall"]["spatial_spread_min"] >= FLOAT_NOISE]
+    return (f"Every cell receives the same vector under {', '.join(flat) or 'no case'}; cells read different "
+            f"things under {', '.join(varied) or 'no case'} (in every cross-attention layer).")
 
 
 def write_maps(c: Comparison, conditioning: Conditioning, folder, shared_scale: bool = False,
@@ -479,8 +488,9 @@ def write_maps(c: Comparison, conditioning: Conditioning, folder, shared_scale: 
     for ax in axes.flat:
         ax.axis("off")
     for ax, (word, _), image in zip(axes.flat, named, images):
-        ax.imshow(image.numpy(), cmap="inferno", vmin=vmin, vmax=vmax)
+        shown = ax.imshow(image.numpy(), cmap="inferno", vmin=vmin, vmax=vmax)
         ax.set_title(word, fontsize=9)
+        fig.colorbar(shown, ax=ax, fraction=0.046, pad=0.02).ax.tick_params(labelsize=6)
     fig.suptitle(f"Cross-attention per word ({c.unet}, {'shared' if shared_scale else 'own'} colour scale)", fontsize=10)
     paths.append(save_png(fig, folder / "overview.png"))
     return paths

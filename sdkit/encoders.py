@@ -96,7 +96,9 @@ def load_text_encoder(folder: str | os.PathLike, tokenizer_folder: str | os.Path
 
     if layer not in LAYERS:
         raise SdkitError(f"unknown layer {layer!r}; choose one of {', '.join(LAYERS)}")
-    folder = Path(folder)
+    from .checkpoints import resolve_local
+
+    folder = Path(resolve_local(folder))
     if not folder.is_dir():
         raise SdkitError(f"{folder}: no such folder (a text encoder is a local transformers folder)")
     model_dir = folder / "text_encoder" if (folder / "text_encoder" / "config.json").is_file() else folder

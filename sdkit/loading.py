@@ -14,7 +14,7 @@ import torch
 from diffusers import UNet2DConditionModel
 
 from .checkpoints import ORIGINAL_UNET_PREFIX, PICKLE_SUFFIXES, CheckpointIndex, unet_folder, \
-    index_tensors, diffusers_to_original_names, index_checkpoint, infer_unet_config  # fmt: skip
+    index_tensors, diffusers_to_original_names, index_checkpoint, infer_unet_config, resolve_local  # fmt: skip
 from .common import SdkitError, atomic_path, first_line
 from .presets import PRESETS, build_unet, preset_config
 from .safetensors_header import TensorInfo
@@ -75,7 +75,7 @@ def load_unet(
 
     `config` overrides the config inferred for a single file (for structures no preset shares).
     """
-    spec = str(spec)
+    spec = resolve_local(spec)
     if spec in PRESETS:
         return build_unet(preset_config(spec), weights=weights, seed=seed)
     path = Path(spec)

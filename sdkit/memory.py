@@ -209,9 +209,9 @@ def streamed(phi: str, store: Store, memories: list[int], beta: float, queries: 
     best = torch.full((len(memories), accuracy_queries), -math.inf)
     own = torch.stack([(r * target_values[:accuracy_queries]).sum(1) for r in retrieved])
     stacked = torch.stack(retrieved)  # (checkpoints, queries, d)
-    start = 0
+    start, step = 0, max(1, chunk // 4)  # the dots hold every checkpoint at once: smaller chunks
     while start < memories[-1]:
-        stop = min(memories[-1], start + chunk)
+        stop = min(memories[-1], start + step)
         values = store.rows("values", start, stop)
         live = [i for i, m in enumerate(memories) if m > start]
         dots = torch.einsum("cqd,nd->cqn", stacked[live], values)

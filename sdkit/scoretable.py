@@ -491,6 +491,10 @@ def plot(tables: ScoreTables, measurements: list[Measurement], path: str | os.Pa
         ax.axvline(level.tokens, color="grey", lw=0.8)
         ax.text(level.tokens, 0.02, f" {label} {level.grid[0]}x{level.grid[1]}", rotation=90, fontsize=8,
                 color="grey", transform=ax.get_xaxis_transform(), va="bottom", ha="right")  # fmt: skip
+        table = table_bytes(level.tokens, tables.dtype)
+        ax.annotate(f"{format_bytes(table)}", (level.tokens, table), textcoords="offset points", xytext=(6, -12),
+                    fontsize=9, fontweight="bold")  # fmt: skip
+        ax.plot([level.tokens], [table], "k*", markersize=9)
     ax.set_xlabel("tokens (cells attended over)")
     ax.set_ylabel("bytes")
     ax.set_title(f"Self-attention memory against tokens ({tables.height}x{tables.width} image)")

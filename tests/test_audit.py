@@ -11,7 +11,7 @@ from sdkit.checkpoints import (
     index_checkpoint,
     original_to_diffusers_names,
 )
-from sdkit.loading import load_unet, module_index, save_single_file
+from sdkit.loading import load_unet, module_index
 from sdkit.presets import PRESETS, build_unet, preset_config
 
 from conftest import original_state_dict
@@ -235,3 +235,24 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, tiny_files, cli):
         assert str(target) in err
     code, _, err = cli("audit", "sd15", "--context-dim", "wide")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "--context-dim" in err
+
+
+def test_paper_table_columns_add_up_in_every_format():
+    import csv
+    import io
+
+    from sdkit.audit import PAPER_COLUMNS, paper_rows, paper_table
+
+    audits = [audit(name) for name in ("sd15", "sd21", "sdxl")]
+    for row in paper_rows(audits):
+        values = dict(zip(PAPER_COLUMNS, row))
+        assert values["MLP"] + values["self-attn"] + values["cross-attn"] + values["norm"] + values["proj"] == \
+            values["in blocks"]  # fmt: skip
+        assert values["% of U-Net"] == pytest.approx(100 * values["in blocks"] / values["U-Net params"])
+    assert [r[1] for r in paper_rows(audits)] == [512, 768, 1024]  # each at its native size
+    parsed = list(csv.reader(io.StringIO(paper_table(audits, "csv"))))
+    assert parsed[0] == list(PAPER_COLUMNS) and parsed[1][2] == str(SD15_TOTAL) and parsed[1][6] == "148797120"
+    latex = paper_table(audits, "latex")
+    assert latex.count(r"\\") == 4 and "148{,}797{,}120" in latex and r"\toprule" in latex
+    markdown = paper_table(audits).splitlines()
+    assert len(markdown) == 5 and "859,520,964" in markdown[2]

@@ -24,3 +24,27 @@ def test_sizes_and_tables():
     assert format_bytes(128 * 2**30) == "128.0 GiB" and format_bytes(100) == "100 B"
     table = format_table(["name", "count"], [["a", 1234567], ["bb", 0.5]]).splitlines()
     assert table == ["name      count", "----  ---------", "a     1,234,567", "bb          0.5"]
+
+
+@pytest.mark.parametrize("argv", [["audit", "sd15"], ["audit", "sdxl", "--context-dim", "1024"], ["audit", "minisd"],
+                                  ["scoretable"], ["scoretable", "--preset", "minisd", "--size", "64"], ["condition"],
+                                  ["--help"], ["condition", "--help"], ["minisd", "train", "--help"]])  # fmt: skip
+def test_output_lines_fit_in_120_columns(cli, argv):
+    code, out, err = cli(*argv)
+    assert code == 0, err
+    assert max(len(line) for line in out.splitlines()) <= 120
+
+
+def test_every_option_says_what_it_does():
+    from sdkit.cli import build_parser
+
+    def parsers(parser):
+        yield parser
+        for action in parser._actions:
+            for sub in getattr(action, "choices", None).values() if isinstance(action.choices, dict) else []:
+                yield from parsers(sub)
+
+    for parser in parsers(build_parser()):
+        for action in parser._actions:
+            if action.option_strings and action.help is not argparse.SUPPRESS:
+                assert action.help, (parser.prog, action.option_strings)

@@ -500,3 +500,30 @@ def test_17_no_stale_temp_after_a_kill(tmp_path):
     with atomic_path(target) as tmp:  # a live writer's temp is not a stale one
         write_json(target, {"inner": True})
         assert tmp.exists()
+
+
+# --- the local Hugging Face cache -------------------------------------------------------------------------------
+
+
+def test_hub_ids_resolve_from_the_local_cache(cli, micro, tmp_path, monkeypatch):
+    import shutil
+
+    root, unet = micro
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--someone--tiny-sd" / "snapshots" / ("0" * 40)
+    shutil.copytree(root / "folder", snapshot / "unet")
+    (cache / "models--someone--tiny-sd" / "refs").mkdir(parents=True)
+    (cache / "models--someone--tiny-sd" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    code, out, err = cli("audit", "someone/tiny-sd", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["source"] == "someone/tiny-sd" and report["total"] == unet.num_parameters()
+    from sdkit.loading import load_unet
+
+    assert load_unet("someone/tiny-sd").num_parameters() == unet.num_parameters()
+    line = one_line(*cli("audit", "someone/not-here")[::2])
+    assert "not in the local Hugging Face cache" in line and str(cache) in line

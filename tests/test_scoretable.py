@@ -134,3 +134,15 @@ def test_gpu_script_logic_on_cpu(tmp_path):
     largest = report["largest_naive"][-1]
     assert largest["peak_bytes"] and largest["predicted_bytes"] <= 0.9 * 16 * 2**20
     assert {m["implementation"] for m in report["pixel"]} == {"sdpa", "chunked"}
+
+
+def test_gpu_script_refuses_without_cuda():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    script = Path(__file__).parent.parent / "scripts" / "gpu_scoretable.py"
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1 and "no CUDA device" in run.stderr

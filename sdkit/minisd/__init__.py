@@ -25,7 +25,7 @@ block) that denoises 32x32 RGB pixels directly (no VAE), reading the token state
 pretrained all-MiniLM-L6-v2 encoder (384 wide). It is trained here, on captioned images of one or
 two coloured shapes whose masks are known, so attention maps and generated images can be scored.
 
-  sdkit minisd train                      train (the shipped model: the defaults, ~27 min on 2 CPU cores)
+  sdkit minisd train                      train (the shipped model: the defaults, ~23 min on 2 CPU cores)
   sdkit minisd sample "a red circle at the top left" --seeds 8 --out grid.png
   sdkit minisd eval --panel panel.png     judge generated images, against floors
 

@@ -14,7 +14,6 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
-import torch
 
 from ..common import SdkitError, format_table, save_png
 from .data import HELD_OUT_PAIRS, HELD_OUT_SINGLES, PAIR_TEMPLATES, RELATIONS, SINGLE_TEMPLATES, Scene, pair_scene, \

@@ -28,10 +28,11 @@ from .data import from_model
 SPEC_FILE = "minisd.json"
 CONDITIONINGS = ("tokens", "pooled")
 DEFAULT_ENCODERS_DIR = "weights/encoders"
-# SD 1.x's training schedule. clip_sample and "trailing" spacing suit pixels: the predicted image
-# stays in [-1, 1], and sampling starts at the last trained timestep, where the noise is.
+# SD 1.x's training schedule (and, as SD, no clipping of the predicted image: with guidance, DDIM's
+# clipped x0 turns the guided noise estimate into noise). "trailing" spacing starts sampling at the
+# last trained timestep, where the noise is.
 SCHEDULER_CONFIG = {"num_train_timesteps": 1000, "beta_schedule": "scaled_linear", "beta_start": 0.00085,
-                    "beta_end": 0.012, "prediction_type": "epsilon", "clip_sample": True, "clip_sample_range": 1.0,
+                    "beta_end": 0.012, "prediction_type": "epsilon", "clip_sample": False,
                     "timestep_spacing": "trailing"}  # fmt: skip
 
 
@@ -88,6 +89,14 @@ def find_text_encoder(spec: MiniSDSpec, text_encoder: str | os.PathLike | None =
     return encoder
 
 
+def read_scheduler_config(folder: str | os.PathLike) -> dict:
+    path = Path(folder) / "scheduler" / "scheduler_config.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SdkitError(f"{path}: cannot read the scheduler config ({e})") from None
+
+
 @dataclass
 class MiniSDOutput:
     images: np.ndarray  # (batch, H, W, 3) float32 in [0, 1]
@@ -104,20 +113,14 @@ class MiniSDPipeline:
 
     @classmethod
     def from_pretrained(cls, folder: str | os.PathLike, text_encoder: str | os.PathLike | None = None,
-                        encoders_dir: str | os.PathLike = DEFAULT_ENCODERS_DIR, load_encoder: bool = True,
+                        encoders_dir: str | os.PathLike = DEFAULT_ENCODERS_DIR,
                         allow_pickle: bool = False) -> MiniSDPipeline:  # fmt: skip
         from ..loading import load_unet
 
-        folder = Path(folder)
         spec = MiniSDSpec.read(folder)
         unet = load_unet(folder, allow_pickle=allow_pickle)
-        config_path = folder / "scheduler" / "scheduler_config.json"
-        try:
-            scheduler_config = json.loads(config_path.read_text())
-        except (OSError, ValueError) as e:
-            raise SdkitError(f"{config_path}: cannot read the scheduler config ({e})") from None
-        encoder = find_text_encoder(spec, text_encoder, encoders_dir, allow_pickle) if load_encoder else None
-        return cls(unet, scheduler_config, spec, encoder)
+        encoder = find_text_encoder(spec, text_encoder, encoders_dir, allow_pickle)
+        return cls(unet, read_scheduler_config(folder), spec, encoder)
 
     def save_pretrained(self, folder: str | os.PathLike) -> None:
         from diffusers import DDPMScheduler

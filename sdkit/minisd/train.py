@@ -48,11 +48,14 @@ class TrainSettings:
     empty_fraction: float = 0.1  # captions dropped for classifier-free guidance
     pair_fraction: float = 0.5  # images with two objects
     image_size: int = 32
+    # Token positions the U-Net reads. all-MiniLM-L6-v2 leaves zeros past a caption, which take
+    # attention weight like any key; 24 holds every caption and keeps them from drowning it.
+    context_length: int = 24
     conditioning: str = "tokens"  # or "pooled": the mean token state, one key/value
     seed: int = 0
 
     def check(self) -> None:
-        for name in ("steps", "batch_size", "image_size"):
+        for name in ("steps", "batch_size", "image_size", "context_length"):
             if getattr(self, name) <= 0:
                 raise SdkitError(f"{name} must be positive, not {getattr(self, name)}")
         for name in ("lr", "weight_decay", "max_grad_norm", "snr_gamma", "x0_weight_floor", "empty_fraction",
@@ -207,6 +210,10 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
     if settings.batch_size % accelerator.num_processes:
         raise SdkitError(f"batch size {settings.batch_size} does not split over {accelerator.num_processes} processes")
     captions = encode_captions(encoder, ["", *all_captions()], cache_dir, progress=progress and accelerator.is_main_process)
+    if int(captions.lengths.max()) > settings.context_length or settings.context_length > encoder.max_length:
+        raise SdkitError(f"context length {settings.context_length} must hold the longest caption "
+                         f"({int(captions.lengths.max())} tokens) and fit the encoder ({encoder.max_length})")  # fmt: skip
+    captions.max_length = settings.context_length
     noise_scheduler = DDPMScheduler.from_config(SCHEDULER_CONFIG)
     unet = build_unet(config, weights="random", seed=settings.seed).train()
     ema = EMAModel(unet.parameters(), decay=settings.ema_max_decay, use_ema_warmup=True, inv_gamma=1.0,
@@ -219,7 +226,6 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
         start, history = load_checkpoint(checkpoint, unet, ema, optimizer, fingerprint)
     model, optimizer = accelerator.prepare(unet, optimizer)
     ema.to(accelerator.device)
-    alphas = noise_scheduler.alphas_cumprod.to(accelerator.device)
 
     bar = tqdm(total=settings.steps, initial=start, desc="training mini SD", unit="step",
                disable=not progress or not accelerator.is_main_process)  # fmt: skip
@@ -266,7 +272,7 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
     if accelerator.is_main_process:
         final = build_unet(config, weights="random", seed=settings.seed)
         ema.copy_to(final.parameters())
-        spec = MiniSDSpec(text_encoder=Path(encoder.source).name, layer=encoder.layer, max_length=encoder.max_length,
+        spec = MiniSDSpec(text_encoder=Path(encoder.source).name, layer=encoder.layer, max_length=settings.context_length,
                           conditioning=settings.conditioning, image_size=settings.image_size,
                           training={"settings": asdict(settings), "resumed_from_step": start,
                                     "seconds": round(seconds, 1), "samples_per_second": round(result.samples_per_second, 2),

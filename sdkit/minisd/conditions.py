@@ -1,0 +1,170 @@
+"""One token against many, on a model that has learned: what a single key/value loses.
+
+In cross-attention every image cell reads a softmax-weighted mix of the token values. With one
+token (or one token repeated) the weights are all equal, so every cell receives the same vector:
+the text can say what, but not where or which-is-which. Here the trained mini SD is driven with
+
+    tokens           every token state, as trained
+    pooled           the mean of the token states: one key/value
+    eos              the [SEP] state (what CLIP would pool): one key/value
+    pooled repeated  the mean, repeated to the full length
+    words only       the word tokens alone (no BOS, EOS or padding)
+    bos only         the [CLS] state alone
+
+and its images are judged (colour, position, shape) on single objects and on pairs; beside it, a
+mini SD trained from the start on the pooled state only (`sdkit minisd train --conditioning
+pooled`, same data, budget and seed), on the same prompts and seeds.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+from ..common import format_table
+from ..encoders import token_roles
+from .evaluate import prompt_set
+from .judge import ATTRIBUTES, accuracy, judge
+from .pipeline import MiniSDPipeline, pool_states
+
+CONDITIONS = ("tokens", "pooled", "eos", "pooled repeated", "words only", "bos only")
+SETS = ("singles", "pairs")
+
+
+def condition_states(pipe: MiniSDPipeline, captions: list[str]) -> dict[str, list[torch.Tensor]]:
+    """Per condition, each caption's states (tokens, width): lengths differ for words only."""
+    states = pipe.encoder.encode(captions).float()
+    real = pipe.encoder.real_mask(captions)
+    pooled = pool_states(states, real)
+    out = {name: [] for name in CONDITIONS}
+    for i, caption in enumerate(captions):
+        roles = token_roles(pipe.encoder.tokenizer, caption, pipe.spec.max_length).roles
+        eos = roles.index("eos")
+        words = [p for p, r in enumerate(roles) if r == "word"]
+        out["tokens"].append(states[i])
+        out["pooled"].append(pooled[i])
+        out["eos"].append(states[i, eos : eos + 1])
+        out["pooled repeated"].append(pooled[i].expand(states.shape[1], -1))
+        out["words only"].append(states[i, words])
+        out["bos only"].append(states[i, :1])
+    return out
+
+
+def generate_grouped(pipe: MiniSDPipeline, states: list[torch.Tensor], seeds: list[int], guidance_scale: float,
+                     steps: int, progress=None) -> np.ndarray:  # fmt: skip
+    """Images for per-caption states of varying lengths: batched by length, never padded (zero
+    tokens would take attention weight)."""
+    images = [None] * len(states)
+    lengths = sorted({s.shape[0] for s in states})
+    negative = pipe.encode([""])
+    for length in lengths:
+        index = [i for i, s in enumerate(states) if s.shape[0] == length]
+        out = pipe(prompt_embeds=torch.stack([states[i] for i in index]), negative_prompt_embeds=negative,
+                   seeds=[seeds[i] for i in index], guidance_scale=guidance_scale, steps=steps, progress=progress)  # fmt: skip
+        for j, i in enumerate(index):
+            images[i] = out.images[j]
+    return np.stack(images)
+
+
+@dataclass
+class TokenComparison:
+    model: str
+    pooled_model: str | None
+    count: int
+    guidance_scale: float
+    steps: int
+    results: dict[str, dict[str, dict[str, float]]]  # condition -> set -> attribute -> accuracy
+    seconds: float = 0.0
+    grid: dict = field(default_factory=dict, repr=False)  # condition -> images of the first prompts
+    grid_captions: list[str] = field(default_factory=list, repr=False)
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        del out["grid"]
+        return out
+
+
+def compare_token_conditions(pipe: MiniSDPipeline, pooled_pipe: MiniSDPipeline | None = None, count: int = 64,
+                             guidance_scale: float = 4.0, steps: int = 25, grid_prompts: int = 3,
+                             model_name: str = "model", pooled_name: str | None = None,
+                             progress=None) -> TokenComparison:  # fmt: skip
+    start = time.perf_counter()
+    results: dict[str, dict] = {}
+    grid: dict[str, list] = {}
+    grid_captions = []
+    for set_name in SETS:
+        scenes = prompt_set(set_name, count)
+        captions = [s.caption for s in scenes]
+        seeds = list(range(len(scenes)))
+        by_condition = condition_states(pipe, captions)
+        runs = {name: (pipe, states) for name, states in by_condition.items()}
+        if pooled_pipe is not None:
+            runs["pooled-trained model"] = (pooled_pipe, list(pooled_pipe.encode(captions)))
+        for name, (model, states) in runs.items():
+            images = generate_grouped(model, states, seeds, guidance_scale, steps, progress)
+            results.setdefault(name, {})[set_name] = accuracy([judge(im, s) for im, s in zip(images, scenes)])
+            grid.setdefault(name, []).extend(images[:grid_prompts])
+        grid_captions += captions[:grid_prompts]
+    return TokenComparison(model_name, pooled_name if pooled_pipe is not None else None, count,
+                           guidance_scale, steps, results, time.perf_counter() - start, grid, grid_captions)  # fmt: skip
+
+
+def format_token_comparison(c: TokenComparison) -> str:
+    rows = []
+    for name, by_set in c.results.items():
+        for set_name in SETS:
+            acc = by_set[set_name]
+            rows.append([name if set_name == SETS[0] else "", set_name, *(f"{100 * acc[a]:.1f} %" for a in ATTRIBUTES)])
+    out = [format_table(["condition", "prompts", *ATTRIBUTES], rows,
+                        title=f"{c.model}: judged accuracy by conditioning ({c.count} prompts per set, guidance "
+                              f"{c.guidance_scale:g}, {c.steps} steps)")]  # fmt: skip
+    tokens, pooled = c.results["tokens"], c.results["pooled"]
+    out.append(f"\nOne key/value (the pooled state) against every token, same model: pairs all-attributes "
+               f"{100 * pooled['pairs']['all']:.1f} % vs {100 * tokens['pairs']['all']:.1f} %, single-object position "
+               f"{100 * pooled['singles']['position']:.1f} % vs {100 * tokens['singles']['position']:.1f} %.")  # fmt: skip
+    if "pooled-trained model" in c.results:
+        trained = c.results["pooled-trained model"]
+        out.append(f"A model trained on the pooled state only: pairs all {100 * trained['pairs']['all']:.1f} %, "
+                   f"single position {100 * trained['singles']['position']:.1f} %, single colour "
+                   f"{100 * trained['singles']['colour']:.1f} % (the multi-token model: "
+                   f"{100 * tokens['singles']['colour']:.1f} %).")  # fmt: skip
+    out.append(f"({c.seconds:.0f} s)")
+    return "\n".join(out)
+
+
+def draw_comparison(c: TokenComparison, path) -> None:
+    """A PNG: accuracy by condition (bars), and the same prompts and seeds under each condition."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ..common import save_png
+
+    names = list(c.results)
+    prompts = len(c.grid_captions)
+    fig = plt.figure(figsize=(max(10, 1.5 * len(names)), 4 + 1.4 * prompts), dpi=110)
+    grid = fig.add_gridspec(1 + prompts, len(names), height_ratios=[2.6] + [1] * prompts)
+    for column, set_name in enumerate(SETS):
+        ax = fig.add_subplot(grid[0, column * len(names) // 2 : (column + 1) * len(names) // 2])
+        width = 0.8 / len(ATTRIBUTES)
+        for k, attribute in enumerate(ATTRIBUTES):
+            values = [100 * c.results[n][set_name][attribute] for n in names]
+            bars = ax.bar(np.arange(len(names)) + k * width, values, width, label=attribute)
+            ax.bar_label(bars, fmt="%.0f", fontsize=5)
+        ax.set_xticks(np.arange(len(names)) + 0.4 - width / 2, names, rotation=30, ha="right", fontsize=7)
+        ax.set(ylim=(0, 105), ylabel="% correct", title=f"{set_name}")
+        ax.legend(fontsize=6)
+    for row in range(prompts):
+        for column, name in enumerate(names):
+            ax = fig.add_subplot(grid[1 + row, column])
+            ax.imshow(c.grid[name][row], interpolation="nearest")
+            ax.axis("off")
+            if row == 0:
+                ax.set_title(name, fontsize=7)
+        fig.text(0.01, 1 - (row + 2.1) / (prompts + 2.6), c.grid_captions[row][:40], fontsize=7)
+    fig.suptitle(f"{c.model}: one token against many (same prompt and seed along each row)", fontsize=9)
+    save_png(fig, path)
