@@ -6,10 +6,12 @@ Runs, on the trained model (each is also one `sdkit` command):
   1. sdkit minisd eval                 judged accuracy against floors, and a panel of samples
   2. sdkit condition --masks           word attention maps against the objects' masks
   3. sdkit condition --generate        one token against many (and the pooled-trained model)
-  4. sdkit memory                      attention as key-value memory (random and real keys)
+  4. sdkit adapter train --unet MODEL  mpnet (768) -> MiniLM (384) adapters driving the frozen model,
+                                       trained on its captions and, apart, on generic prompts
+  5. sdkit memory                      attention as key-value memory (random and real keys)
 writing JSON and PNGs to weights/minisd/findings/ (the pictures the README shows) and printing each
-table. Needs the real text encoder (python scripts/get_real_encoders.py). About 25 minutes on
-2 CPU cores; --count 32 halves it.
+table. Needs the real encoders (python scripts/get_real_encoders.py). About 40 minutes on 2 CPU
+cores; --count 32 takes off about a third.
 """
 
 import argparse
@@ -34,12 +36,13 @@ def main() -> None:
     parser.add_argument("--pooled-model", default="weights/minisd-pooled")
     parser.add_argument("--count", type=int, default=64, help="prompts per set")
     parser.add_argument("--out", default=None, help="where to write (default: MODEL/findings)")
-    parser.add_argument("--skip", default="", help="comma-separated steps to skip: eval,masks,generate,memory")
+    parser.add_argument("--skip", default="", help="comma-separated steps to skip: eval,masks,generate,adapter,memory")
+    parser.add_argument("--encoders", default="weights/encoders", help="where the real encoders are")
     args = parser.parse_args()
     out = Path(args.out or Path(args.model) / "findings")
     out.mkdir(parents=True, exist_ok=True)
     skip = set(args.skip.split(","))
-    print(f"expected duration: about {25 * args.count // 64 + 4} minutes on 2 CPU cores", flush=True)
+    print(f"expected duration: about {30 * args.count // 64 + 10} minutes on 2 CPU cores", flush=True)
     count = str(args.count)
     if "eval" not in skip:
         run("Judged accuracy", ["minisd", "eval", "--model", args.model, "--count", count,
@@ -51,6 +54,13 @@ def main() -> None:
         pooled = ["--pooled-model", args.pooled_model] if Path(args.pooled_model).is_dir() else []
         run("One token against many", ["condition", "--unet", args.model, "--generate", "--count", count, *pooled,
                                        "--plot", str(out / "tokens.png"), "--json-out", str(out / "tokens.json")])  # fmt: skip
+    if "adapter" not in skip:
+        mpnet, minilm = (str(Path(args.encoders) / name) for name in ("all-mpnet-base-v2", "all-MiniLM-L6-v2"))
+        for corpus, flag in (("captions", ["--captions", "2000"]), ("generic", ["--generate", "2000"])):
+            run(f"The adapter end to end, trained on {corpus}",
+                ["adapter", "train", "--new", mpnet, "--old", minilm, "--unet", args.model, *flag,
+                 "--kinds", "linear,mlp,mixer", "--judge", str(max(16, args.count // 2)),
+                 "--out", str(out / f"adapters-{corpus}"), "--json-out", str(out / f"adapter-{corpus}.json")])  # fmt: skip
     if "memory" not in skip:
         run("Attention as key-value memory", ["memory", "--minisd", args.model, "--plot", str(out / "memory.png"),
                                               "--json-out", str(out / "memory.json")])  # fmt: skip

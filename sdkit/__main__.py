@@ -2,6 +2,10 @@
 
 import sys
 
-from .cli import main
+try:  # Ctrl-C this early still gets one line and 130, not a traceback
+    from .cli import run
+except KeyboardInterrupt:
+    print("sdkit: interrupted", file=sys.stderr)
+    sys.exit(130)
 
-sys.exit(main())
+run()

@@ -792,7 +792,8 @@ def format_report(r: AdapterReport) -> str:
 
     def cell(m: dict, key: str | None) -> str:
         if key is None:
-            return show(m["prompt_own_cosine"] - m["prompt_other_cosine"])
+            own, other = m.get("prompt_own_cosine"), m.get("prompt_other_cosine")
+            return show(None if own is None or other is None else own - other)
         if key in ("rel_mse", "unet_rel_error") and key in m.get("interval", {}):
             lo, hi = m["interval"][key]
             return f"{show(m.get(key))} [{show(lo)}, {show(hi)}]"

@@ -125,6 +125,14 @@ def _report(args, data: dict, table: str) -> None:
             print(f"wrote {args.json_out}")
 
 
+def _bar(args, **kwargs):
+    """A progress bar on stderr, for people: none with --json or when stderr is not a terminal
+    (logs and pipes get the result, not bar redraws)."""
+    from tqdm import tqdm
+
+    return tqdm(leave=False, disable=True if getattr(args, "json", False) else None, **kwargs)
+
+
 def _check_outputs(args, files=(), folders=()) -> None:
     """Check every output path the command will write, before it starts working."""
     if getattr(args, "json_out", None):
@@ -160,8 +168,6 @@ def cmd_audit(args) -> None:
 
 def cmd_scoretable(args) -> None:
     _check_outputs(args, files=("plot",))
-    from tqdm import tqdm
-
     from .scoretable import (format_measurements, format_score_tables, measure, plot, resolve_device,
                              score_tables)  # fmt: skip
 
@@ -174,7 +180,7 @@ def cmd_scoretable(args) -> None:
         device = resolve_device(args.device)
         dtype = args.measure_dtype or ("float16" if device.startswith("cuda") else "float32")
         implementations = args.implementations.split(",")
-        with tqdm(total=len(implementations), desc="measuring", unit="impl", leave=False) as bar:
+        with _bar(args, total=len(implementations), desc="measuring", unit="impl") as bar:
             measured = measure(args.tokens or finest.tokens, args.heads or finest.heads,
                                args.head_dim or finest.head_dim, dtype, device, implementations,
                                args.chunk_budget, args.budget, args.repeats, progress=bar)  # fmt: skip
@@ -213,8 +219,6 @@ def _minisd_findings(args) -> None:
     """condition --masks / --generate: measured on a mini SD, whose generator is the answer key."""
     from pathlib import Path
 
-    from tqdm import tqdm
-
     from .minisd.pipeline import SPEC_FILE, MiniSDPipeline
 
     if _minisd_spec(args.unet) is None:
@@ -226,8 +230,7 @@ def _minisd_findings(args) -> None:
 
         reports, tables = [], []
         for source in ("generator", "generated"):
-            with tqdm(total=args.count * len(args.timesteps), desc=f"maps on {source} images", unit="image",
-                      leave=False, disable=args.json) as bar:  # fmt: skip
+            with _bar(args, total=args.count * len(args.timesteps), desc=f"maps on {source} images", unit="image") as bar:
                 if source == "generator":
                     images, scenes, masks = generator_set(args.count, pipe.spec.image_size)
                 else:
@@ -251,7 +254,7 @@ def _minisd_findings(args) -> None:
         pooled = MiniSDPipeline.from_pretrained(args.pooled_model, args.text_encoder, args.encoders_dir,
                                                 allow_pickle=args.allow_pickle)  # fmt: skip
     runs = 2 * args.count * (6 + (pooled is not None))
-    with tqdm(total=runs, desc="generating", unit="image", leave=False, disable=args.json) as bar:
+    with _bar(args, total=runs, desc="generating", unit="image") as bar:
         result = compare_token_conditions(pipe, pooled, args.count, args.guidance, args.steps, model_name=args.unet,
                                           pooled_name=args.pooled_model, progress=bar)  # fmt: skip
     table = format_token_comparison(result)
@@ -266,7 +269,8 @@ def cmd_condition(args) -> None:
     if args.masks and args.generate:
         raise SdkitError("choose one of --masks and --generate")
     if args.masks or args.generate:
-        _check_input(args.unet, "--unet")
+        if args.unet not in PRESET_NAMES.split(", "):
+            _check_input(args.unet, "--unet")
         if args.pooled_model:
             _check_input(args.pooled_model, "--pooled-model")
         return _minisd_findings(args)
@@ -276,8 +280,6 @@ def cmd_condition(args) -> None:
         _check_input(args.unet, "--unet")
     if args.text_encoder:
         _check_input(args.text_encoder, "--text-encoder")
-    from tqdm import tqdm
-
     from .conditioning import (check_width, compare_conditionings, format_comparison, preflight,
                                prompt_conditionings, synthetic_conditionings, write_maps)  # fmt: skip
     from .encoders import load_text_encoder
@@ -305,7 +307,7 @@ def cmd_condition(args) -> None:
     else:
         conditioning = synthetic_conditionings(unet.config.cross_attention_dim, seed=args.seed)
     check_width(unet, conditioning)
-    with tqdm(total=len(conditioning.cases), desc="forward passes", unit="case", leave=False) as bar:
+    with _bar(args, total=len(conditioning.cases), desc="forward passes", unit="case") as bar:
         result = compare_conditionings(unet, conditioning, args.latent_size, args.timestep, args.seed,
                                        maps=bool(args.maps), map_sides=args.map_sides, unet_name=args.unet, note=note,
                                        progress=bar)  # fmt: skip
@@ -356,15 +358,13 @@ def _run_comparison(args, new_dir, old_dir, prompts, note: str | None = None) ->
         table = f"Encoders: {note}\n\n{table}"
     data = {"encoders": note, **report.to_json()}
     if spec and args.judge:
-        from tqdm import tqdm
-
         from .minisd.adapters import SETS, format_judged, judge_adapters
         from .minisd.pipeline import MiniSDPipeline, read_scheduler_config
 
         pipe = MiniSDPipeline(unet, read_scheduler_config(args.unet), spec, old)
         adapters = report.adapters
         total = args.judge * len(SETS) * (1 + len(adapters))
-        with tqdm(total=total, desc="judging", unit="image", leave=False, disable=args.json) as bar:
+        with _bar(args, total=total, desc="judging", unit="image") as bar:
             judged = judge_adapters(pipe, new, adapters, count=args.judge, progress=bar)
         table += "\n\n" + format_judged(judged, args.unet)
         data["judged"] = judged
@@ -466,14 +466,12 @@ def _pipeline(args):
 
 def cmd_minisd_sample(args) -> None:
     _check_outputs(args, files=("out",))
-    from tqdm import tqdm
-
     from .minisd.evaluate import sample_grid
 
     pipe = _pipeline(args)
     prompts = [p for p in args.prompts for _ in range(args.seeds)]
     seeds = [args.first_seed + s for _ in args.prompts for s in range(args.seeds)]
-    with tqdm(total=len(prompts), desc="sampling", unit="image", leave=False, disable=args.json) as bar:
+    with _bar(args, total=len(prompts), desc="sampling", unit="image") as bar:
         out = pipe(prompts, seeds, args.guidance, args.steps, args.sampler, progress=bar)
     title = f"{args.model}: {args.sampler} {args.steps} steps, guidance {args.guidance:g}"
     sample_grid(out.images, prompts, seeds, args.out, title)
@@ -484,8 +482,6 @@ def cmd_minisd_sample(args) -> None:
 
 def cmd_minisd_eval(args) -> None:
     _check_outputs(args, files=("panel",))
-    from tqdm import tqdm
-
     from .minisd.evaluate import SETS, draw_panel, evaluate, format_evaluation
 
     sets = [s for s in args.sets.split(",") if s]
@@ -494,7 +490,7 @@ def cmd_minisd_eval(args) -> None:
         raise SdkitError(f"unknown prompt set {sorted(unknown)[0]!r}; choose from {', '.join(SETS)}")
     pipe = _pipeline(args)
     images = args.count * len(sets) * (1 if args.no_floors else 3)
-    with tqdm(total=images, desc="generating", unit="image", leave=False, disable=args.json) as bar:
+    with _bar(args, total=images, desc="generating", unit="image") as bar:
         ev = evaluate(pipe, sets, args.count, args.guidance, args.steps, args.sampler, floors=not args.no_floors,
                       model_name=args.model, progress=bar)  # fmt: skip
     table = format_evaluation(ev)
@@ -506,11 +502,9 @@ def cmd_minisd_eval(args) -> None:
 
 def cmd_memory(args) -> None:
     _check_outputs(args, files=("plot",))
-    from tqdm import tqdm
-
     from .memory import format_report, plot, run
 
-    with tqdm(desc="memories scored", unit="mem", unit_scale=True, leave=False, disable=args.json) as bar:
+    with _bar(args, desc="memories scored", unit="mem", unit_scale=True) as bar:
         report = run(args.quick, args.encoders_dir, args.minisd, progress=bar)
     table = format_report(report)
     if args.plot:
@@ -759,5 +753,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def run() -> None:
+    """The `sdkit` command's entry point: main(), and its exit code as the process's.
+
+    After Ctrl-C the process leaves at once with 130: shutting the interpreter down after an
+    interrupted import (torch, say) can otherwise end it by SIGINT after all (exit status -2).
+    """
+    code = main()
+    if code == 130:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from diffusers.models.attention_processor import Attention, AttnProcessor, AttnProcessor2_0
 
-from .common import SdkitError, format_table, save_png
+from .common import SdkitError, first_line, format_table, save_png
 from .encoders import ROLES, TextEncoder, TokenRoles, token_roles
 from .geometry import halved
 
@@ -372,7 +372,11 @@ def compare_conditionings(unet, conditioning: Conditioning, latent_size: tuple[i
     for name, states in conditioning.cases.items():
         want_maps = maps and name == "multi"
         with torch.no_grad(), CrossAttentionTrace(unet, maps=want_maps, map_sides=map_sides) as trace:
-            unet(latent, timestep, encoder_hidden_states=states.to(param.device, param.dtype))
+            try:
+                unet(latent, timestep, encoder_hidden_states=states.to(param.device, param.dtype))
+            except (RuntimeError, ValueError, TypeError, IndexError) as e:  # a config diffusers built but cannot run
+                raise SdkitError(f"{unet_name}: the U-Net fails on a forward pass ({first_line(e)[:160]}); "
+                                 "check its config") from None  # fmt: skip
         layers = trace.summary()
         cases[name] = {"tokens": states.shape[1], "layers": layers, "overall": _overall(layers)}
         if conditioning.roles is not None and name in conditioning.positions:
@@ -422,11 +426,10 @@ def format_comparison(c: Comparison) -> str:
     layers = list(next(iter(c.cases.values()))["layers"])
     rows = [[layer, "x".join(map(str, c.cases[names[0]]["layers"][layer]["grid"] or ["?"])),
              *(_spread(c.cases[n]["layers"][layer]["spatial_spread"]) for n in names)] for layer in layers]  # fmt: skip
-    out = [f"U-Net: {c.unet}{f' ({c.note})' if c.note else ''}; latent {c.latent_size[0]}x{c.latent_size[1]}, "
-           f"timestep {c.timestep}",
-           f"Text: {c.conditioning}", ""]  # fmt: skip
+    out = [f"U-Net: {c.unet}; latent {c.latent_size[0]}x{c.latent_size[1]}, timestep {c.timestep}",
+           *([f"  ({c.note})"] if c.note else []), f"Text: {c.conditioning}", ""]  # fmt: skip
     out.append(format_table(["layer (as in the API)", "grid", *names], rows,
-                            title="Spatial spread of the cross-attention output, ||O - mean_cells O|| / ||O|| "
+                            title="Spatial spread of the cross-attention output, ||O - mean_cells O|| / ||O||\n"
                                   f"(0: every cell receives the same vector; ≈0: below {FLOAT_NOISE:g}, rounding)"))  # fmt: skip
     rows = [[n, v["tokens"], _spread(v["overall"]["spatial_spread"]), _spread(v["overall"]["spatial_spread_min"]),
              _spread(v["overall"]["spatial_spread_max"]), v["overall"]["entropy"], v["overall"]["effective_tokens"]]
@@ -448,8 +451,8 @@ def conclusion(c: Comparison) -> str:
     """One line: does one token (or one repeated) give every cell the same vector, and many not?"""
     flat = [n for n, v in c.cases.items() if v["overall"]["spatial_spread_max"] < FLOAT_NOISE]
     varied = [n for n, v in c.cases.items() if v["overall"]["spatial_spread_min"] >= FLOAT_NOISE]
-    return (f"Every cell receives the same vector under {', '.join(flat) or 'no case'}; cells read different "
-            f"things under {', '.join(varied) or 'no case'} (in every cross-attention layer).")
+    return (f"Every cell receives the same vector under {', '.join(flat) or 'no case'}; "
+            f"cells read different things under {', '.join(varied) or 'no case'}.")
 
 
 def write_maps(c: Comparison, conditioning: Conditioning, folder, shared_scale: bool = False,

@@ -31,6 +31,7 @@ def test_single_token_gives_every_cell_the_same_vector_tiny(tiny_unet):
     _check_single_vs_multi(compare_conditionings(tiny_unet, synthetic_conditionings(768)))
 
 
+@pytest.mark.slow
 def test_single_token_gives_every_cell_the_same_vector_sd15():
     unet = build_unet(preset_config("sd15"), weights="random")  # the real architecture, random weights
     _check_single_vs_multi(compare_conditionings(unet, synthetic_conditionings(768), latent_size=(16, 16)))

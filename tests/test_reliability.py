@@ -133,18 +133,32 @@ def test_4_condition_refuses_what_would_not_fit(cli, micro, tmp_path):
     assert "free" in one_line(*cli("condition", "--unet", huge)[::2])
 
 
-def test_4_prediction_bounds_the_measured_peak(micro):
-    from sdkit.common import peak_rss
-    from sdkit.conditioning import compare_conditionings, predicted_forward_bytes, synthetic_conditionings
+PEAK_CHILD = """
+import json, sys, torch
+from sdkit.common import peak_rss
+from sdkit.conditioning import compare_conditionings, predicted_forward_bytes, synthetic_conditionings
+from sdkit.presets import build_unet
+unet = build_unet(json.loads(sys.argv[1]), weights="random")
+conditioning = synthetic_conditionings(unet.config.cross_attention_dim)
+compare_conditionings(unet, conditioning, (8, 8), maps=True)  # first-use costs are not the prediction's
+side = int(sys.argv[2])
+_, peak = peak_rss(lambda: compare_conditionings(unet, conditioning, (side, side), maps=True))
+print(json.dumps({"peak": peak, "predicted": predicted_forward_bytes(unet, (side, side), maps=True)}))
+"""
 
-    for unet in (micro[1],):
-        conditioning = synthetic_conditionings(unet.config.cross_attention_dim)
-        compare_conditionings(unet, conditioning, (8, 8), maps=True)  # first-use costs, not the prediction's
-        for side in (32, 64, 128):
-            _, peak = peak_rss(lambda: compare_conditionings(unet, conditioning, (side, side), maps=True))
-            predicted = predicted_forward_bytes(unet, (side, side), maps=True)
-            assert peak <= predicted, (side, peak, predicted)
-        assert predicted < 4 * peak  # generous, not absurd
+
+@pytest.mark.parametrize("side", [32, 64, 128])
+def test_4_prediction_bounds_the_measured_peak(side):
+    # In a fresh process (memory a process freed and kept would hide the peak), with a fixed mmap
+    # threshold so that large tensors come from, and go back to, the system.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "2"}
+    run = subprocess.run([sys.executable, "-c", PEAK_CHILD, json.dumps(MICRO), str(side)], capture_output=True,
+                         text=True, env=env, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    measured = json.loads(run.stdout.strip().splitlines()[-1])
+    assert measured["peak"] <= measured["predicted"], measured
+    if side == 128:  # where activations, not the runtime's fixed costs, decide: generous, not absurd
+        assert measured["predicted"] < 6 * measured["peak"], measured
 
 
 # --- 5. output paths are checked before any work ---------------------------------------------------------
@@ -206,13 +220,15 @@ def test_6_condition_on_unets_it_cannot_build(cli, micro, tmp_path):
 
 
 def test_7_audit_of_unusual_key_sets(cli, tmp_path):
-    t = torch.zeros(2, 2)
+    def t():
+        return torch.zeros(2, 2)
+
     cases = {
-        "no_stem": {"down_blocks.0.resnets.0.conv1.weight": t, "up_blocks.0.resnets.0.conv1.weight": t},
-        "odd_index": {"down_blocks.abc.resnets.0.conv1.weight": t, "conv_in.weight": torch.zeros(2, 4, 3, 3)},
-        "far_up": {"up_blocks.9.resnets.0.conv1.weight": t, "down_blocks.0.resnets.0.conv1.weight": t},
-        "mid_only": {"mid_block.resnets.0.conv1.weight": t},
-        "original_middle_only": {"model.diffusion_model.middle_block.0.in_layers.0.weight": t},
+        "no_stem": {"down_blocks.0.resnets.0.conv1.weight": t(), "up_blocks.0.resnets.0.conv1.weight": t()},
+        "odd_index": {"down_blocks.abc.resnets.0.conv1.weight": t(), "conv_in.weight": torch.zeros(2, 4, 3, 3)},
+        "far_up": {"up_blocks.9.resnets.0.conv1.weight": t(), "down_blocks.0.resnets.0.conv1.weight": t()},
+        "mid_only": {"mid_block.resnets.0.conv1.weight": t()},
+        "original_middle_only": {"model.diffusion_model.middle_block.0.in_layers.0.weight": t()},
     }
     for name, tensors in cases.items():
         save_file(tensors, tmp_path / f"{name}.safetensors")
@@ -279,7 +295,7 @@ def test_10_permission_errors_are_one_line(cli, monkeypatch, tmp_path):
     assert "permission denied" in one_line(*cli("audit", tmp_path / "locked.safetensors")[::2]).lower()
 
 
-@pytest.mark.parametrize("delay", [0.05, 0.4, 1.5])
+@pytest.mark.parametrize("delay", [0.15, 0.4, 1.5])  # after the interpreter itself has started
 def test_11_ctrl_c_is_130_and_one_line(delay):
     process = subprocess.Popen([sys.executable, "-m", "sdkit", "audit", "sd15"], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)  # fmt: skip
@@ -311,7 +327,7 @@ def test_12_pickles_need_the_flag_everywhere(cli, tiny_pair, tmp_path):
     model = load_text_encoder(encoder).model
     for f in (encoder / "text_encoder").glob("*.safetensors"):
         f.unlink()
-    model.save_pretrained(encoder / "text_encoder", safe_serialization=False)
+    torch.save(model.state_dict(), encoder / "text_encoder" / "pytorch_model.bin")  # a pickle, as older folders hold
     with pytest.raises(SdkitError, match="--allow-pickle"):
         load_text_encoder(encoder)
     assert load_text_encoder(encoder, allow_pickle=True).width == 768
