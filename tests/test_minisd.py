@@ -9,8 +9,10 @@ from safetensors.torch import load_file
 
 from sdkit.common import SdkitError
 from sdkit.minisd.data import (BACKGROUND, HELD_OUT_PAIRS, HELD_OUT_SINGLES, all_captions, colour_rgb, pair_scene,
-                               random_scene, render, sample_at, single_scene)  # fmt: skip
-from sdkit.minisd.judge import accuracy, find_objects, judge
+                               SHAPES, random_scene, render, sample_at, shape_coverage,
+                               single_scene)  # fmt: skip
+from sdkit.minisd.evaluate import BLUR_NOISE, BLUR_PIXELS, blurred
+from sdkit.minisd.judge import accuracy, classify_shape, find_objects, judge, shape_moments
 from sdkit.minisd.pipeline import MiniSDPipeline, pool_states
 from sdkit.minisd.train import Interrupted, TrainSettings, train
 
@@ -78,6 +80,27 @@ def test_judge_reads_generator_images(side, count):
     assert accuracy(verdicts)["all"] >= 0.98
     found = find_objects(samples[0].image)
     assert len(found) == len(samples[0].scene.objects)
+
+
+def test_judge_reads_blurred_generator_images():
+    # The first judge (box fill of a thresholded mask) scored 64 % here: soft squares read as circles.
+    samples = [sample_at(6, i) for i in range(200)]
+    soft = [blurred(s.image, BLUR_PIXELS, BLUR_NOISE, seed=i) for i, s in enumerate(samples)]
+    assert accuracy([judge(image, s.scene) for image, s in zip(soft, samples)])["shape"] >= 0.98
+
+
+def test_shape_moments_are_those_of_the_shapes():
+    side = 400
+    y, x = np.meshgrid(np.arange(side) + 0.5, np.arange(side) + 0.5, indexing="ij")
+    square = (np.abs(x - 200) <= 80) & (np.abs(y - 170) <= 80)  # uniform square: k40 = -s^4/120, k22 = 0
+    four_fold, skew = shape_moments(square.astype(float))
+    assert four_fold == pytest.approx(-1 / 60, rel=1e-3) and skew == pytest.approx(0, abs=1e-9)
+    disc = (x - 150) ** 2 + (y - 220) ** 2 <= 90**2
+    assert shape_moments(disc.astype(float))[0] == pytest.approx(0, abs=2e-4)
+    blurred_square = blurred(np.repeat(square[..., None], 3, -1).astype(np.float32), 6.0, 0.0, seed=0)[..., 0]
+    assert shape_moments(blurred_square)[0] == pytest.approx(-1 / 60, rel=0.02)  # cumulants above 2 survive blur
+    assert {s: classify_shape(shape_coverage(s, x, y, 200, 200, 60).astype(float))[0] for s in SHAPES} == \
+        {s: s for s in SHAPES}  # fmt: skip
 
 
 def test_judge_fails_what_is_not_there():
@@ -160,7 +183,8 @@ def test_cli_sample_and_eval(micro_model, bert, cli, tmp_path):
                          "--sets", "singles,pairs", "--steps", "2", "--json", "--panel", tmp_path / "panel.png")
     assert code == 0, err
     report = json.loads(out)
-    assert set(report["results"]) == {"model", "judge on generator images", "empty prompt", "untrained"}
+    assert set(report["results"]) == {"model", "judge on generator images", "judge, blurred generator images",
+                                      "empty prompt", "untrained"}  # fmt: skip
     assert report["results"]["judge on generator images"]["singles"]["all"] == 1.0
     assert (tmp_path / "panel.png").is_file()
     code, _, err = cli("minisd", "eval", "--model", tmp_path / "nothing")

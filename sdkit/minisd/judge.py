@@ -1,8 +1,16 @@
-"""Read objects back from pixels alone: colour by hue, place by centroid, shape by box fill.
+"""Read objects back from pixels alone: colour by hue, place by the centre of its box, shape by moments.
 
-The judge knows the generator's rules (grey background, six hues, a 3x3 grid) and nothing else:
-no model, no caption. `find_objects` lists what an image shows; `judge` compares that with the
-scene a caption asked for.
+The judge knows the generator's rules (grey background, six hues, a 3x3 grid, three shapes) and
+nothing else: no model, no caption. `find_objects` lists what an image shows; `judge` compares that
+with the scene a caption asked for.
+
+Shape is read from two moments of the object's chroma (colour mixes linearly with the grey
+background, so a soft edge weighs what it covers): a fourth-order cumulant that is 0 for a circle
+and negative for an axis-aligned square, and a third-order one (skew) that is negative for a
+triangle with its apex up. Cumulants above the second are unchanged by a Gaussian blur, so the
+verdict does not depend on how sharp the edges are, which a thresholded mask's box fill does: the
+first judge (fill of the thresholded mask's box) fell to 64 % on generator images blurred by
+0.8 pixels, calling soft squares circles.
 """
 
 from __future__ import annotations
@@ -12,13 +20,14 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .data import COLOURS, POSITIONS, Scene
+from .data import COLOURS, POSITIONS, SHAPES, Scene, shape_coverage
 
-MIN_SATURATION = 0.35  # the background has none, the objects 0.85
+# A pixel half covered by an object has saturation 0.55 (the background has none, objects 0.85): the
+# generator's masks are the pixels at least half covered. A little below that, for paler colours; a
+# blur that bridges two objects of one colour still leaves them apart at this level.
+MIN_SATURATION = 0.5
 MIN_AREA = 0.004  # smallest object, as a fraction of the image (4 pixels at 32 x 32)
-# A triangle (apex up) holds far less in the top half of its box than in the bottom half; a
-# circle fills about 3/4 of its box, a square all of it.
-TRIANGLE_TOP_BELOW, SQUARE_FILL_ABOVE = 0.65, 0.92
+SOFT_EDGE = 2  # pixels around an object's mask whose chroma still counts towards its shape
 
 
 @dataclass
@@ -29,8 +38,8 @@ class FoundObject:
     column: int
     centroid: tuple[float, float]  # (y, x) in pixels
     area: int
-    fill: float  # area / bounding-box area
-    top_ratio: float  # area in the top half of the box / area in the bottom half
+    four_fold: float  # 4th-order cumulant anisotropy / mass^2: 0 circle, -0.0167 square
+    skew: float  # 3rd-order vertical cumulant / mass^1.5: 0 circle and square, -0.018 triangle
     mask: np.ndarray
 
     @property
@@ -83,18 +92,59 @@ def _nearest_colour(hues: np.ndarray) -> str:
     return min(COLOURS, key=lambda name: min(abs(mean - COLOURS[name]), 360 - abs(mean - COLOURS[name])))
 
 
-def classify_shape(component: np.ndarray) -> tuple[str, float, float]:
-    """(shape, fill of the bounding box, area of the top half over the bottom half)."""
-    ys, xs = np.nonzero(component)
-    top, bottom = ys.min(), ys.max() + 1
-    box = component[top:bottom, xs.min() : xs.max() + 1]
-    half = box.shape[0] / 2
-    weights = np.clip(half - np.arange(box.shape[0]), 0, 1)  # a middle row split in half when odd
-    rows = box.sum(1)
-    upper, lower = (rows * weights).sum(), (rows * (1 - weights)).sum()
-    fill, top_ratio = box.mean(), upper / max(lower, 1)
-    shape = "triangle" if top_ratio < TRIANGLE_TOP_BELOW else "circle" if fill < SQUARE_FILL_ABOVE else "square"
-    return shape, float(fill), float(top_ratio)
+def shape_moments(weights: np.ndarray) -> tuple[float, float]:
+    """(four_fold, skew) of a non-negative weight map: scale- and translation-free cumulants.
+
+    four_fold = (k40 + k04 - 6 k22) / m^2, zero for any shape that looks the same turned by any
+    angle; skew = k03 / m^1.5 with y pointing down. Both are sums of weights, so they hold for a
+    blurred or anti-aliased shape as for a sharp one.
+    """
+    ys, xs = np.nonzero(weights)
+    w = weights[ys, xs].astype(np.float64)
+    mass = w.sum()
+    if mass <= 0:
+        return 0.0, 0.0
+    dy, dx = ys - (w * ys).sum() / mass, xs - (w * xs).sum() / mass
+
+    def mu(p: int, q: int) -> float:
+        return float((w * dx**p * dy**q).sum() / mass)
+
+    k40, k04 = mu(4, 0) - 3 * mu(2, 0) ** 2, mu(0, 4) - 3 * mu(0, 2) ** 2
+    k22 = mu(2, 2) - mu(2, 0) * mu(0, 2) - 2 * mu(1, 1) ** 2
+    return (k40 + k04 - 6 * k22) / mass**2, mu(0, 3) / mass**1.5
+
+
+_PROTOTYPES: dict[str, tuple[float, float]] = {}
+
+
+def shape_prototypes() -> dict[str, tuple[float, float]]:
+    """Each shape's (four_fold, skew) as the generator draws it, from a fine rendering."""
+    if not _PROTOTYPES:
+        side = 512
+        y, x = np.meshgrid(np.arange(side) + 0.5, np.arange(side) + 0.5, indexing="ij")
+        for shape in SHAPES:
+            _PROTOTYPES[shape] = shape_moments(shape_coverage(shape, x, y, side / 2, side / 2, side / 4).astype(float))
+    return _PROTOTYPES
+
+
+def classify_shape(weights: np.ndarray) -> tuple[str, float, float]:
+    """(the nearest shape by moments, four_fold, skew) of an object's weight map."""
+    four_fold, skew = shape_moments(weights)
+    shape = min(SHAPES, key=lambda s: (shape_prototypes()[s][0] - four_fold) ** 2 + (shape_prototypes()[s][1] - skew) ** 2)
+    return shape, four_fold, skew
+
+
+def _grow(mask: np.ndarray, steps: int) -> np.ndarray:
+    """The mask grown by `steps` pixels (4-neighbours)."""
+    grown = mask.copy()
+    for _ in range(steps):
+        edge = grown.copy()
+        edge[1:] |= grown[:-1]
+        edge[:-1] |= grown[1:]
+        edge[:, 1:] |= grown[:, :-1]
+        edge[:, :-1] |= grown[:, 1:]
+        grown = edge
+    return grown
 
 
 def find_objects(image: np.ndarray, max_objects: int = 2) -> list[FoundObject]:
@@ -106,6 +156,9 @@ def find_objects(image: np.ndarray, max_objects: int = 2) -> list[FoundObject]:
     side = image.shape[0]
     hue, saturation = hue_saturation(image)
     coloured = saturation >= MIN_SATURATION
+    rgb = np.clip(image, 0, 1)
+    chroma = rgb.max(-1) - rgb.min(-1)  # a colour blended with grey by alpha has alpha times its chroma
+    background = float(np.median(chroma[~coloured])) if (~coloured).any() else 0.0
     names = list(COLOURS)
     centres = np.array([COLOURS[n] for n in names])
     distance = np.abs(hue[..., None] - centres)
@@ -117,13 +170,16 @@ def find_objects(image: np.ndarray, max_objects: int = 2) -> list[FoundObject]:
             if area < MIN_AREA * image.shape[0] * image.shape[1]:
                 continue
             ys, xs = np.nonzero(component)
-            shape, fill, top_ratio = classify_shape(component)
+            # Its soft edge: the pixels near it of its hue, weighted by chroma above the background's.
+            peak = float(np.percentile(chroma[component], 90))
+            weights = np.clip((chroma - background) / max(peak - background, 1e-6), 0, 1)
+            shape, four_fold, skew = classify_shape(weights * (_grow(component, SOFT_EDGE) & (label == index)))
             cy, cx = ys.mean() + 0.5, xs.mean() + 0.5
             # The shape's box centre marks its cell: a triangle's centroid sits below its middle.
             my, mx = (ys.min() + ys.max() + 1) / 2, (xs.min() + xs.max() + 1) / 2
             row, column = (min(2, int(v * 3 / side)) for v in (my, mx))
             objects.append(FoundObject(_nearest_colour(hue[component]), shape, row, column, (float(cy), float(cx)),
-                                       area, fill, top_ratio, component))  # fmt: skip
+                                       area, four_fold, skew, component))  # fmt: skip
     objects.sort(key=lambda o: -o.area)
     return objects[:max_objects]
 
