@@ -313,7 +313,8 @@ def encode_prompts(new: TextEncoder, old: TextEncoder, prompts: list[str], cache
 
     roles = check_alignment(new, old, prompts)
     parts = {"new": [], "old": []}
-    for start in tqdm(range(0, len(prompts), batch_size), desc="encoding prompts", unit="batch", disable=not progress):
+    batches = range(0, len(prompts), batch_size)
+    for start in tqdm(batches, desc="encoding prompts", unit="batch", disable=None if progress else True):
         batch = prompts[start : start + batch_size]
         parts["new"].append(new.encode(batch).half().cpu())
         parts["old"].append(old.encode(batch).half().cpu())

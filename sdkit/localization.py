@@ -233,7 +233,7 @@ def format_localization(r: Localization) -> str:
              *(cell(r0[s], "auc") for s in SOURCES[:3])] for r0 in r.rows]  # fmt: skip
     headers = ["layers", "t", "n", "IoU word", "IoU other", "IoU centre", "IoU unif.", "AUC word", "AUC other",
                "AUC centre"]  # fmt: skip
-    title = (f"{r.model}, {r.count} {r.images} images: colour and shape word maps against their object's mask "
+    title = (f"{r.model}, {r.count} {r.images} images:\ncolour and shape word maps against their object's mask "
              f"(IoU at tau = {DAAM_TAU}; AUC 0.5 = chance)")  # fmt: skip
     out = [format_table(headers, rows, title=title)]
     if r.note:
@@ -245,11 +245,18 @@ def format_localization(r: Localization) -> str:
         iou_word = np.mean([x["word"]["iou"] for x in whole])
         iou_base = {s: np.mean([x[s]["iou"] for x in whole if x[s]]) for s in SOURCES[1:] if any(x[s] for x in whole)}
         out.append(f"\nAll layers, mean over timesteps: word maps AUC {word:.3f} against "
-                   + ", ".join(f"{s} {v:.3f}" for s, v in baselines.items())
-                   + f"; IoU {iou_word:.3f} against " + ", ".join(f"{s} {v:.3f}" for s, v in iou_base.items()) + ".")  # fmt: skip
+                   + ", ".join(f"{s} {v:.3f}" for s, v in baselines.items()) + ";")
+        out.append(f"  IoU {iou_word:.3f} against " + ", ".join(f"{s} {v:.3f}" for s, v in iou_base.items()) + ".")
     if r.best.get("resolution"):
         out.append(f"Attention localises best at {r.best['resolution']}x{r.best['resolution']}, timestep "
                    f"{r.best['timestep']} (AUC {r.best['auc']:.3f}, IoU {r.best['iou']:.3f}).")  # fmt: skip
+    layers = [x for x in r.by_layer if x["word"]]
+    if layers:
+        top = max(layers, key=lambda x: x["word"]["auc"])
+        out.append(f"Best single layer: {top['layer']} at {top['grid']}x{top['grid']}, AUC {top['word']['auc']:.3f}, "
+                   f"IoU {top['word']['iou']:.3f} (over timesteps).")  # fmt: skip
+        if whole and word > top["word"]["auc"]:
+            out.append("The mean over all layers localises better than any one layer.")
     out.append("Attention mass (mean over cells, heads, layers, timesteps): "
                + ", ".join(f"{role} {100 * m:.1f} %" for role, m in r.mass_by_role.items()))  # fmt: skip
     sweep = next((x["word"]["iou_sweep"] for x in whole), None)
@@ -269,14 +276,14 @@ def draw_examples(r: Localization, path) -> None:
     from .common import save_png
 
     shown = r.examples[:8]
-    fig, axes = plt.subplots(2, len(shown), figsize=(2.2 * len(shown), 4.8), dpi=110, squeeze=False)
+    fig, axes = plt.subplots(2, len(shown), figsize=(2.5 * len(shown), 4.8), dpi=110, squeeze=False)
     for c, (image, label, word_map, mask) in enumerate(shown):
         axes[0, c].imshow(image, interpolation="nearest")
         axes[0, c].contour(mask, levels=[0.5], colors="white", linewidths=0.8)
         axes[0, c].set_title(label.split(" (")[0] + "\n" + label.split(" (")[1].rstrip(")")[:28], fontsize=6.5)
         heat = axes[1, c].imshow(word_map, cmap="inferno", interpolation="bilinear")
         axes[1, c].contour(mask, levels=[0.5], colors="cyan", linewidths=0.8)
-        fig.colorbar(heat, ax=axes[1, c], fraction=0.046, pad=0.02)
+        fig.colorbar(heat, ax=axes[1, c], fraction=0.046, pad=0.02).ax.tick_params(labelsize=5)
         for ax in axes[:, c]:
             ax.axis("off")
     fig.suptitle(f"{r.model}: word attention maps (all layers) on {r.images} images; outline = the named "

@@ -324,18 +324,22 @@ def long_context(d: int = 32, memories=None, quick: bool = False, progress=None)
     return [fixed, logn]
 
 
-def real_key_capacity(name: str, keys: torch.Tensor, memories: list[int], progress=None) -> list[dict]:
-    """Capacity with real keys, as they are and whitened, against random keys of the same size."""
+def real_key_capacity(name: str, keys: torch.Tensor, memories: list[int], progress=None,
+                      source: str = "") -> list[dict]:  # fmt: skip
+    """Capacity with real keys, as they are and whitened, against random keys of the same size.
+
+    `name` labels the rows (short); `source` says where the keys come from (default: name)."""
     centred = keys.double() - keys.double().mean(0)
     values, vectors = torch.linalg.eigh(centred.T @ centred / max(len(keys) - 1, 1))
     whitened = (centred @ (vectors * values.clamp_min(1e-9 * values.max()).rsqrt()) @ vectors.T).float()
     rows = []
     for phi in PHIS:
-        for label, pool in (("as they are", keys), ("whitened", whitened), ("random", None)):
+        for label, pool in (("raw", keys), ("whitened", whitened), ("random", None)):
             curve = measure_curve(phi, keys.shape[1], [m for m in memories if m <= len(keys)], keys=pool,
                                   key_source=f"{name} {label}" if pool is not None else "random", trials=2,
                                   progress=progress)  # fmt: skip
-            rows.append({"phi": phi, "keys": curve.keys, "d": curve.d, "measured": curve.capacity,
+            rows.append({"phi": phi, "keys": curve.keys, "source": source or name, "d": curve.d,
+                         "measured": curve.capacity,
                          "extrapolated": curve.extrapolated, "searched_to": curve.memories[-1],
                          "analytic_random": analytic_capacity(phi, curve.d),
                          "mean_abs_cosine": _mean_abs_cosine(pool, curve.d)})  # fmt: skip
@@ -413,10 +417,12 @@ def run(quick: bool = False, encoders_dir="weights/encoders", minisd_dir="weight
         prompts = generate_prompts(1500, seed=1) + all_captions()[::4]
         keys = encoder_keys(encoder, prompts)
         grid = memory_grid(8, min(len(keys), 32768), per_octave=2)
-        report.real_keys += real_key_capacity("all-MiniLM-L6-v2 token states", keys, grid, progress)
+        report.real_keys += real_key_capacity("MiniLM states", keys, grid, progress,
+                                              source="all-MiniLM-L6-v2 token states (last layer)")
         if (Path(minisd_dir) / "minisd.json").is_file():
             head_keys, where = minisd_keys(minisd_dir, encoder, prompts)
-            report.real_keys += real_key_capacity(f"mini SD {where} keys", head_keys, grid, progress)
+            report.real_keys += real_key_capacity("mini SD keys", head_keys, grid, progress,
+                                                  source=f"the trained mini SD's {where} keys (to_k of MiniLM states)")
     report.sd_levels = sd_levels()
     report.seconds = time.perf_counter() - start
     return report
@@ -435,9 +441,8 @@ def format_report(r: MemoryReport) -> str:
     out = [format_table(["phi", "d_k", "beta", "analytic", "gaussian approx", "measured", "meas/analytic",
                          "searched to", "published"], rows,
                         title="Capacity M* (SIR = 1) with random unit keys and values")]  # fmt: skip
-    out.append("The published 64 / 128 / ~1.2M at d_k = 64 are d, 2d and exp(2 sqrt(d) - 2) = e^14 "
-               "(the gaussian approximation); the exact analytic values count the target (+1) and integrate "
-               "over the sphere.")  # fmt: skip
+    out.append("The published 64 / 128 / ~1.2M at d_k = 64 are d, 2d and exp(2 sqrt(d) - 2) = e^14 (the gaussian\n"
+               "approximation); the exact analytic values count the target (+1) and integrate over the sphere.")
     if r.long_context:
         fixed, logn = r.long_context
         rows = [[count(m), f"{fixed.sir[i]:.3g}", f"{fixed.accuracy[i]:.2f}", f"{logn.sir[i]:.3g}",
@@ -450,12 +455,14 @@ def format_report(r: MemoryReport) -> str:
                  count(k["analytic_random"]), f"{k['mean_abs_cosine']:.3f}"] for k in r.real_keys]  # fmt: skip
         out += ["", format_table(["phi", "keys", "d", "measured M*", "random analytic", "mean |cos|"], rows,
                                  title="Real keys (token states) against random keys of the same size")]  # fmt: skip
+        sources = {k["keys"].removesuffix(" raw"): k["source"] for k in r.real_keys if k["keys"].endswith(" raw")}
+        out += [f"  {name}: {source}" for name, source in sources.items()]
     if r.sd_levels:
         sizes = list(r.sd_levels[0]["cells"])
         rows = [[s["level"], s["head_dim"], count(s["capacity"]), *(count(s["cells"][z]) for z in sizes),
                  f"{s['pixel_over_capacity']:.3g}x", f"{s['passes_capacity_at_side']:,.0f} px"] for s in r.sd_levels]  # fmt: skip
         out += ["", format_table(["SD 1.5 level", "head dim", "capacity", *(f"cells {z}px" for z in sizes),
-                                  "pixel level / cap.", "cells pass cap. at"], rows,
+                                  "pixels / cap.", "passes cap. at"], rows,
                                  title="SD 1.5 self-attention: random-key softmax capacity (beta = sqrt(head dim)) "
                                        "against the cells a query reads")]  # fmt: skip
     out.append(f"\n{'quick run; ' if r.quick else ''}finished in {r.seconds:.0f} s")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from sdkit.localization import auc, centre_prior, iou, object_words
+from sdkit.localization import Localization, auc, centre_prior, format_localization, iou, object_words
 from sdkit.minisd.data import pair_scene, single_scene
 
 
@@ -115,6 +115,10 @@ def test_findings_commands_run_on_a_micro_model(micro_pipes, cli, tmp_path):
     uniform = [row["uniform"]["auc"] for row in generator["rows"] if row["uniform"]]
     assert uniform and all(a == 0.5 for a in uniform)
     assert sum(generator["mass_by_role"].values()) == pytest.approx(1.0, abs=1e-4)
+    best_layer = max(generator["by_layer"], key=lambda x: x["word"]["auc"])
+    text = format_localization(Localization(**generator))
+    assert f"Best single layer: {best_layer['layer']}" in text
+    assert max(len(line) for line in text.splitlines() if str(folder) not in line) <= 120
     assert (tmp_path / "maps-generator.png").is_file()
     code, out, err = cli("condition", "--unet", folder, "--text-encoder", encoder, "--generate", "--count", "2",
                          "--steps", "2", "--pooled-model", pooled, "--json", "--plot", tmp_path / "tokens.png")  # fmt: skip

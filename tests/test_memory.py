@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from sdkit.memory import (PUBLISHED, Store, analytic_capacity, cosine_moment, crossing, exhaustive, measure_curve,
-                          memory_grid, streamed)  # fmt: skip
+from sdkit.memory import (PUBLISHED, MemoryReport, Store, analytic_capacity, cosine_moment, crossing, exhaustive,
+                          format_report, measure_curve, memory_grid, real_key_capacity, sd_levels, streamed)  # fmt: skip
 
 
 def test_published_figures_are_the_closed_forms_at_d_64():
@@ -63,6 +63,11 @@ def test_real_keys_that_repeat_have_little_capacity():
     real_curve = measure_curve("softmax", 32, [64, 256, 1024], keys=keys, key_source="clustered", trials=2)
     assert all(r < q for r, q in zip(real_curve.sir, random_curve.sir))
     assert real_curve.accuracy[-1] < 0.5 < random_curve.accuracy[-1]
+    rows = real_key_capacity("clustered", keys[:512], [64, 256], source="20 directions, each stored many times")
+    assert [r["keys"] for r in rows[:3]] == ["clustered raw", "clustered whitened", "random"]
+    text = format_report(MemoryReport([], [], real_keys=rows, sd_levels=sd_levels()))
+    assert "  clustered: 20 directions, each stored many times" in text
+    assert max(len(line) for line in text.splitlines()) <= 120
 
 
 def test_crossing_interpolates_and_extrapolates():

@@ -26,7 +26,7 @@ import torch
 
 from ..common import format_table
 from ..encoders import token_roles
-from .evaluate import prompt_set
+from .evaluate import prompt_set, wrap_words
 from .judge import ATTRIBUTES, accuracy, judge
 from .pipeline import MiniSDPipeline, pool_states
 
@@ -146,8 +146,10 @@ def draw_comparison(c: TokenComparison, path) -> None:
 
     names = list(c.results)
     prompts = len(c.grid_captions)
-    fig = plt.figure(figsize=(max(10, 1.5 * len(names)), 4 + 1.4 * prompts), dpi=110)
-    grid = fig.add_gridspec(1 + prompts, len(names), height_ratios=[2.6] + [1] * prompts)
+    fig = plt.figure(figsize=(max(10, 1.5 * len(names)), 4.5 + 1.3 * prompts), dpi=110)
+    # Bars on top, a spacer row for their tick labels, then one row of samples per prompt.
+    grid = fig.add_gridspec(2 + prompts, len(names), height_ratios=[3, 0.6] + [1] * prompts, left=0.2, right=0.98,
+                            top=0.93, bottom=0.01, hspace=0.25, wspace=0.08)  # fmt: skip
     for column, set_name in enumerate(SETS):
         ax = fig.add_subplot(grid[0, column * len(names) // 2 : (column + 1) * len(names) // 2])
         width = 0.8 / len(ATTRIBUTES)
@@ -156,15 +158,19 @@ def draw_comparison(c: TokenComparison, path) -> None:
             bars = ax.bar(np.arange(len(names)) + k * width, values, width, label=attribute)
             ax.bar_label(bars, fmt="%.0f", fontsize=5)
         ax.set_xticks(np.arange(len(names)) + 0.4 - width / 2, names, rotation=30, ha="right", fontsize=7)
-        ax.set(ylim=(0, 105), ylabel="% correct", title=f"{set_name}")
-        ax.legend(fontsize=6)
+        ax.set(ylim=(0, 112), title=f"{set_name}")
+        ax.set_ylabel("% correct" if column == 0 else "", fontsize=8)
+        ax.legend(fontsize=6, ncol=4, loc="upper right")
     for row in range(prompts):
         for column, name in enumerate(names):
-            ax = fig.add_subplot(grid[1 + row, column])
+            ax = fig.add_subplot(grid[2 + row, column])
             ax.imshow(c.grid[name][row], interpolation="nearest")
-            ax.axis("off")
+            ax.set_xticks([])
+            ax.set_yticks([])
             if row == 0:
                 ax.set_title(name, fontsize=7)
-        fig.text(0.01, 1 - (row + 2.1) / (prompts + 2.6), c.grid_captions[row][:40], fontsize=7)
+            if column == 0:
+                ax.text(-0.08, 0.5, wrap_words(c.grid_captions[row]), transform=ax.transAxes, ha="right", va="center",
+                        fontsize=7)  # fmt: skip
     fig.suptitle(f"{c.model}: one token against many (same prompt and seed along each row)", fontsize=9)
     save_png(fig, path)

@@ -158,7 +158,7 @@ def draw_panel(ev: Evaluation, path, per_set: int = 8) -> None:
             verdict = ev.verdicts[name][c]
             ax.imshow(ev.images[name][c], interpolation="nearest")
             marks = " ".join(f"{a[0]}{'+' if verdict[a] else '-'}" for a in ("colour", "position", "shape"))
-            ax.set_title(_wrap(ev.scenes[name][c].caption) + f"\n{marks}", fontsize=6.5,
+            ax.set_title(wrap_words(ev.scenes[name][c].caption) + f"\n{marks}", fontsize=6.5,
                          color="darkgreen" if verdict["all"] else "firebrick")  # fmt: skip
         axes[r, 0].text(-0.15, 0.5, name, transform=axes[r, 0].transAxes, rotation=90, va="center", ha="right", fontsize=8)
     fig.suptitle(f"{ev.model}: green = all correct (c colour, p position, s shape); guidance {ev.guidance_scale:g}",
@@ -166,7 +166,7 @@ def draw_panel(ev: Evaluation, path, per_set: int = 8) -> None:
     save_png(fig, path)
 
 
-def _wrap(text: str, width: int = 24) -> str:
+def wrap_words(text: str, width: int = 24) -> str:
     words, lines, line = text.split(), [], ""
     for w in words:
         if line and len(line) + 1 + len(w) > width:
@@ -191,7 +191,7 @@ def sample_grid(images: np.ndarray, captions: list[str], seeds: list[int], path,
         ax.axis("off")
     for ax, image, caption, seed in zip(axes.flat, images, captions, seeds):
         ax.imshow(image, interpolation="nearest")
-        ax.set_title(f"{_wrap(caption)}\nseed {seed}", fontsize=6.5)
+        ax.set_title(f"{wrap_words(caption)}\nseed {seed}", fontsize=6.5)
     if title:
         fig.suptitle(title, fontsize=9)
     save_png(fig, path)

@@ -116,7 +116,8 @@ def encode_captions(encoder: TextEncoder, captions: list[str], cache_dir: str | 
         except (SafetensorError, KeyError, OSError):
             pass  # damaged: encode again and replace it
     parts, lengths = [], []
-    for start in tqdm(range(0, len(captions), batch_size), desc="encoding captions", unit="batch", disable=not progress):
+    batches = range(0, len(captions), batch_size)
+    for start in tqdm(batches, desc="encoding captions", unit="batch", disable=None if progress else True):
         batch = captions[start : start + batch_size]
         parts.append(encoder.encode(batch).float().cpu())
         lengths.append(encoder.real_mask(batch).sum(1))
