@@ -10,7 +10,7 @@ Runs, on the trained model (each is also one `sdkit` command):
                                        trained on its captions and, apart, on generic prompts
   5. sdkit memory                      attention as key-value memory (random and real keys)
 writing JSON and PNGs to weights/minisd/findings/ (the pictures the README shows) and printing each
-table. Needs the real encoders (python scripts/get_real_encoders.py). About 40 minutes on 2 CPU
+table. Needs the real encoders (python scripts/get_real_encoders.py). About 35 minutes on 2 CPU
 cores; --count 32 takes off about a third.
 """
 
@@ -42,7 +42,7 @@ def main() -> None:
     out = Path(args.out or Path(args.model) / "findings")
     out.mkdir(parents=True, exist_ok=True)
     skip = set(args.skip.split(","))
-    print(f"expected duration: about {30 * args.count // 64 + 10} minutes on 2 CPU cores", flush=True)
+    print(f"expected duration: about {25 * args.count // 64 + 10} minutes on 2 CPU cores", flush=True)
     count = str(args.count)
     if "eval" not in skip:
         run("Judged accuracy", ["minisd", "eval", "--model", args.model, "--count", count,

@@ -23,7 +23,8 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows each option's default, except where there is none to show."""
 
     def _get_help_string(self, action):
-        if action.default in (None, False, argparse.SUPPRESS) or "%(default)" in (action.help or ""):
+        # Identity, not ==: a default of 0 or 0.0 equals False and is still worth showing.
+        if any(action.default is none for none in (None, False, argparse.SUPPRESS)) or "%(default)" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
 

@@ -33,6 +33,7 @@ softmax search at d = 64 reaches millions of memories in a few hundred MB).
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -281,6 +282,7 @@ class MemoryReport:
     real_keys: list[dict] = field(default_factory=list)
     sd_levels: list[dict] = field(default_factory=list)
     seconds: float = 0.0
+    peak_memory_bytes: int | None = None  # the process's peak resident set, where the OS reports it
     quick: bool = False
 
     def to_json(self) -> dict:
@@ -425,7 +427,18 @@ def run(quick: bool = False, encoders_dir="weights/encoders", minisd_dir="weight
                                                   source=f"the trained mini SD's {where} keys (to_k of MiniLM states)")
     report.sd_levels = sd_levels()
     report.seconds = time.perf_counter() - start
+    report.peak_memory_bytes = peak_resident_bytes()
     return report
+
+
+def peak_resident_bytes() -> int | None:
+    """This process's peak resident set size so far (None where the OS does not say)."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
 
 
 def format_report(r: MemoryReport) -> str:
@@ -465,7 +478,8 @@ def format_report(r: MemoryReport) -> str:
                                   "pixels / cap.", "passes cap. at"], rows,
                                  title="SD 1.5 self-attention: random-key softmax capacity (beta = sqrt(head dim)) "
                                        "against the cells a query reads")]  # fmt: skip
-    out.append(f"\n{'quick run; ' if r.quick else ''}finished in {r.seconds:.0f} s")
+    peak = f", peak memory {r.peak_memory_bytes / 2**20:,.0f} MiB (the whole process)" if r.peak_memory_bytes else ""
+    out.append(f"\n{'quick run; ' if r.quick else ''}finished in {r.seconds:.0f} s{peak}")
     return "\n".join(out)
 
 

@@ -48,3 +48,8 @@ def test_every_option_says_what_it_does():
         for action in parser._actions:
             if action.option_strings and action.help is not argparse.SUPPRESS:
                 assert action.help, (parser.prog, action.option_strings)
+        help_text = parser.format_help()
+        for action in parser._actions:  # every default is shown, 0 too (0 == False once hid it)
+            if action.option_strings and action.default is not None and not isinstance(action.default, bool) \
+                    and argparse.SUPPRESS not in (action.default, action.help):  # fmt: skip
+                assert f"(default: {action.default})" in " ".join(help_text.split()), (parser.prog, action.dest)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from sdkit.localization import Localization, auc, centre_prior, format_localization, iou, object_words
+from sdkit.minisd.conditions import TokenComparison, format_token_comparison
 from sdkit.minisd.data import pair_scene, single_scene
 
 
@@ -123,7 +124,11 @@ def test_findings_commands_run_on_a_micro_model(micro_pipes, cli, tmp_path):
     code, out, err = cli("condition", "--unet", folder, "--text-encoder", encoder, "--generate", "--count", "2",
                          "--steps", "2", "--pooled-model", pooled, "--json", "--plot", tmp_path / "tokens.png")  # fmt: skip
     assert code == 0, err
-    results = json.loads(out)["results"]
+    comparison = json.loads(out)
+    results = comparison["results"]
+    text = format_token_comparison(TokenComparison(**comparison))
+    assert "A model trained on the pooled state only" in text
+    assert max(len(line) for line in text.splitlines() if str(folder) not in line) <= 120
     assert set(results) == {"tokens", "pooled", "eos", "pooled repeated", "words only", "bos only",
                             "pooled-trained model"}  # fmt: skip
     assert (tmp_path / "tokens.png").read_bytes()[:4] == b"\x89PNG"

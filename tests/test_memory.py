@@ -85,3 +85,4 @@ def test_cli_memory_quick(cli, tmp_path):
             assert row["measured"] == pytest.approx(row["analytic"], rel=0.25), row
     assert (tmp_path / "m.png").read_bytes()[:4] == b"\x89PNG"
     assert len(report["sd_levels"]) == 4
+    assert report["peak_memory_bytes"] > 50 * 2**20  # torch alone takes more

@@ -122,15 +122,18 @@ def format_token_comparison(c: TokenComparison) -> str:
                         title=f"{c.model}: judged accuracy by conditioning ({c.count} prompts per set, guidance "
                               f"{c.guidance_scale:g}, {c.steps} steps)")]  # fmt: skip
     tokens, pooled = c.results["tokens"], c.results["pooled"]
-    out.append(f"\nOne key/value (the pooled state) against every token, same model: pairs all-attributes "
-               f"{100 * pooled['pairs']['all']:.1f} % vs {100 * tokens['pairs']['all']:.1f} %, single-object position "
-               f"{100 * pooled['singles']['position']:.1f} % vs {100 * tokens['singles']['position']:.1f} %.")  # fmt: skip
+    def pct(result, set_name, attribute):
+        return f"{100 * result[set_name][attribute]:.1f} %"
+
+    out.append(f"\nOne key/value (the pooled state) fed to the multi-token model: singles position "
+               f"{pct(pooled, 'singles', 'position')} (all tokens: {pct(tokens, 'singles', 'position')}),\n"
+               f"  pairs all {pct(pooled, 'pairs', 'all')} ({pct(tokens, 'pairs', 'all')}).")  # fmt: skip
     if "pooled-trained model" in c.results:
         trained = c.results["pooled-trained model"]
-        out.append(f"A model trained on the pooled state only: pairs all {100 * trained['pairs']['all']:.1f} %, "
-                   f"single position {100 * trained['singles']['position']:.1f} %, single colour "
-                   f"{100 * trained['singles']['colour']:.1f} % (the multi-token model: "
-                   f"{100 * tokens['singles']['colour']:.1f} %).")  # fmt: skip
+        out.append(f"A model trained on the pooled state only: singles position {pct(trained, 'singles', 'position')}, "
+                   f"all {pct(trained, 'singles', 'all')}\n  (multi-token model: {pct(tokens, 'singles', 'position')}, "
+                   f"{pct(tokens, 'singles', 'all')}); pairs all {pct(trained, 'pairs', 'all')} "
+                   f"({pct(tokens, 'pairs', 'all')}).")  # fmt: skip
     out.append(f"({c.seconds:.0f} s)")
     return "\n".join(out)
 

@@ -47,7 +47,6 @@ class MiniSDSpec:
     image_size: int = 32
     space: str = "pixels"  # no VAE: the U-Net denoises RGB in [-1, 1]
     training: dict = field(default_factory=dict)
-    judged: dict = field(default_factory=dict)
 
     @classmethod
     def read(cls, folder: str | os.PathLike) -> MiniSDSpec:
