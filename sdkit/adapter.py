@@ -17,7 +17,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -682,11 +682,9 @@ class AdapterReport:
     adapters: dict = field(default_factory=dict, repr=False)  # method -> the adapter itself (not in JSON)
 
     def to_json(self) -> dict:
-        adapters, self.adapters = self.adapters, {}
-        try:
-            return asdict(self)
-        finally:
-            self.adapters = adapters
+        out = asdict(replace(self, adapters={}))  # the adapters are modules: not data, and not copied
+        del out["adapters"]
+        return out
 
     def best_linear(self) -> str:
         return min(("lstsq", "linear"), key=lambda m: self.methods[m]["rel_mse"] if m in self.methods else math.inf)
@@ -777,6 +775,9 @@ UNET_COLUMNS = [
 ]  # fmt: skip
 
 
+VERDICT_WORDS = {"better": "beats", "worse": "is worse than", "within noise": "ties (intervals overlap) with"}
+
+
 def compare_methods(r: AdapterReport, a: str, b: str, metric: str = "rel_mse") -> str:
     """'better', 'worse' (for a, lower is better) or 'within noise': better only when the 95%
     bootstrap intervals of the two methods do not overlap."""
@@ -817,14 +818,12 @@ def format_report(r: AdapterReport) -> str:
         out.append(f"  U-Net: {r.unet}")
     best = r.best_linear()
     if "mlp" in r.methods and "interval" in r.methods["mlp"]:
-        verdict = compare_methods(r, "mlp", best)
+        said = VERDICT_WORDS[compare_methods(r, "mlp", best)]
         mlp, lin = r.methods["mlp"]["rel_mse"], r.methods[best]["rel_mse"]
-        said = {"better": "beats", "worse": "is worse than", "within noise": "ties (intervals overlap) with"}[verdict]
         out.append(f"\nmlp {said} the best linear map ({best}) on held-out relMSE: {mlp:.4f} vs {lin:.4f} "
                    f"({100 * (lin - mlp) / lin:+.1f} %)")  # fmt: skip
     if "mixer" in r.methods and "mlp" in r.methods and "interval" in r.methods["mixer"]:
-        verdict = compare_methods(r, "mixer", "mlp")
-        said = {"better": "beats", "worse": "is worse than", "within noise": "ties (intervals overlap) with"}[verdict]
+        said = VERDICT_WORDS[compare_methods(r, "mixer", "mlp")]
         out.append(f"mixer (reads neighbouring tokens) {said} the per-token mlp: {r.methods['mixer']['rel_mse']:.4f} "
                    f"vs {r.methods['mlp']['rel_mse']:.4f}")  # fmt: skip
     if {"linear", "lstsq"} <= r.methods.keys() and r.methods["linear"]["rel_mse"] > r.methods["lstsq"]["rel_mse"]:

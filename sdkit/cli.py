@@ -248,13 +248,13 @@ def _minisd_findings(args) -> None:
                 draw_examples(report, stem.with_name(f"{stem.stem}-{source}{stem.suffix or '.png'}"))
         _report(args, {"localization": [r.to_json() for r in reports]}, "\n\n".join(tables))
         return
-    from .minisd.conditions import compare_token_conditions, draw_comparison, format_token_comparison
+    from .minisd.conditions import CONDITIONS, SETS, compare_token_conditions, draw_comparison, format_token_comparison
 
     pooled = None
     if args.pooled_model:
         pooled = MiniSDPipeline.from_pretrained(args.pooled_model, args.text_encoder, args.encoders_dir,
                                                 allow_pickle=args.allow_pickle)  # fmt: skip
-    runs = 2 * args.count * (6 + (pooled is not None))
+    runs = len(SETS) * args.count * (len(CONDITIONS) + (pooled is not None))
     with _bar(args, total=runs, desc="generating", unit="image") as bar:
         result = compare_token_conditions(pipe, pooled, args.count, args.guidance, args.steps, model_name=args.unet,
                                           pooled_name=args.pooled_model, progress=bar)  # fmt: skip
@@ -269,16 +269,14 @@ def cmd_condition(args) -> None:
     _check_outputs(args, files=("plot",), folders=("maps",))
     if args.masks and args.generate:
         raise SdkitError("choose one of --masks and --generate")
-    if args.masks or args.generate:
-        if args.unet not in PRESET_NAMES.split(", "):
-            _check_input(args.unet, "--unet")
-        if args.pooled_model:
-            _check_input(args.pooled_model, "--pooled-model")
-        return _minisd_findings(args)
     if args.tokenizer and not args.text_encoder:
         raise SdkitError("--tokenizer needs --text-encoder (the tokenizer labels the encoder's tokens)")
     if args.unet not in PRESET_NAMES.split(", "):
         _check_input(args.unet, "--unet")
+    if args.masks or args.generate:
+        if args.pooled_model:
+            _check_input(args.pooled_model, "--pooled-model")
+        return _minisd_findings(args)
     if args.text_encoder:
         _check_input(args.text_encoder, "--text-encoder")
     from .conditioning import (check_width, compare_conditionings, format_comparison, preflight,
@@ -348,10 +346,12 @@ def _run_comparison(args, new_dir, old_dir, prompts, note: str | None = None) ->
     old = load_text_encoder(old_dir, layer=args.old_layer, allow_pickle=args.allow_pickle, **length)
     unet = load_unet(args.unet, allow_pickle=args.allow_pickle) if args.unet != "none" else None
     kinds = [k for k in args.kinds.split(",") if k]
-    unet_name = f"{args.unet} preset, RANDOM weights: shows the check, not a trained SD U-Net" \
-        if args.unet in PRESETS else args.unet  # fmt: skip
     if spec:
         unet_name = f"{args.unet} (trained mini SD)"
+    elif args.unet in PRESETS:
+        unet_name = f"{args.unet} preset, RANDOM weights: shows the check, not a trained SD U-Net"
+    else:
+        unet_name = args.unet
     report = compare_adapters(new, old, prompts, kinds, _train_config(args), unet, unet_name, args.cache,
                               args.out, args.checkpoints, seed=args.seed, progress=not args.json)  # fmt: skip
     table = format_report(report)

@@ -25,7 +25,7 @@ import torch
 
 from .common import format_table
 from .conditioning import CrossAttentionTrace
-from .encoders import ROLES, token_roles
+from .encoders import ROLES, TokenRoles, token_roles
 
 DAAM_TAU = 0.4
 TAUS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
@@ -53,16 +53,19 @@ def auc(attention: np.ndarray, mask: np.ndarray) -> float:
     return float(u / (len(inside) * len(outside)))
 
 
+def _score(attention: np.ndarray, mask: np.ndarray, taus) -> tuple[list[float], float]:
+    return [iou(attention, mask, tau) for tau in taus], auc(attention, mask)
+
+
 def centre_prior(side: int) -> np.ndarray:
     """A Gaussian bump at the image centre (sigma a quarter of the side)."""
     coords = np.arange(side) + 0.5 - side / 2
     return np.exp(-(coords[:, None] ** 2 + coords[None, :] ** 2) / (2 * (side / 4) ** 2))
 
 
-def object_words(tokenizer, caption: str, objects, max_length: int) -> list[dict]:
-    """The colour and shape words of the caption, each with its token positions and the index of
-    the object it names (captions name the first object's words first)."""
-    roles = token_roles(tokenizer, caption, max_length)
+def object_words(roles: TokenRoles, objects) -> list[dict]:
+    """The colour and shape words of a caption (its token roles), each with its token positions
+    and the index of the object it names (captions name the first object's words first)."""
     seen = {"colour": 0, "shape": 0}
     found = []
     for word, positions in roles.words:
@@ -121,7 +124,7 @@ def localize(pipe, images: np.ndarray, scenes, masks: list[list[np.ndarray]], ti
     start = time.perf_counter()
     side = images.shape[1]
     tokenizer, max_length = pipe.encoder.tokenizer, pipe.spec.max_length
-    prior = centre_prior(side)
+    prior, uniform = centre_prior(side), np.ones((side, side))
     # scores[(layer, t, source)] -> list of (iou per tau, auc)
     scores: dict[tuple, list] = {}
     role_mass = dict.fromkeys(ROLES, 0.0)
@@ -133,8 +136,16 @@ def localize(pipe, images: np.ndarray, scenes, masks: list[list[np.ndarray]], ti
         captions = [s.caption for s in scenes[chunk]]
         states = pipe.encode(captions)
         pixels = torch.from_numpy(np.stack([to_model(image) for image in images[chunk]]))
-        words = [object_words(tokenizer, c, s.objects, max_length) for c, s in zip(captions, scenes[chunk])]
-        roles = [token_roles(tokenizer, c, max_length).roles for c in captions]
+        caption_roles = [token_roles(tokenizer, c, max_length) for c in captions]
+        words = [object_words(r, s.objects) for r, s in zip(caption_roles, scenes[chunk])]
+        roles = [r.roles for r in caption_roles]
+        # Per scored word: the baselines, which are the same at every layer and timestep, scored once.
+        baselines = {}
+        for i in range(len(captions)):
+            for k, w in enumerate(words[i]):
+                mask = masks[first + i][w["object"]]
+                if mask is not None and mask.any():
+                    baselines[i, k] = {"centre prior": _score(prior, mask, taus), "uniform": _score(uniform, mask, taus)}
         for t in timesteps:
             with CrossAttentionTrace(pipe.unet, maps=True, by_timestep=True) as trace:
                 pipe.unet(_noised(pixels, t, seed + t), t, encoder_hidden_states=states)
@@ -149,18 +160,18 @@ def localize(pipe, images: np.ndarray, scenes, masks: list[list[np.ndarray]], ti
                 for layer in [*trace.layers, "all layers"]:
                     chosen = None if layer == "all layers" else [layer]
                     maps = trace.token_maps(item=i, layers=chosen, timesteps=[t], size=(side, side)).numpy()
-                    for w in words[i]:
-                        mask = masks[first + i][w["object"]]
-                        if mask is None or not mask.any():
+                    for k, w in enumerate(words[i]):
+                        if (i, k) not in baselines:
                             continue
+                        mask = masks[first + i][w["object"]]
                         word_map = maps[w["positions"]].sum(0)
-                        candidates = {"word": word_map, "centre prior": prior, "uniform": np.ones_like(word_map)}
+                        candidates = {"word": word_map}
                         other = [o for o in words[i] if o["kind"] == w["kind"] and o["object"] != w["object"]]
                         if other:
                             candidates["other object's word"] = maps[other[0]["positions"]].sum(0)
-                        for name, attention in candidates.items():
-                            scores.setdefault((layer, t, name), []).append(
-                                ([iou(attention, mask, tau) for tau in taus], auc(attention, mask)))
+                        scored = {name: _score(attention, mask, taus) for name, attention in candidates.items()}
+                        for name, score in {**scored, **baselines[i, k]}.items():
+                            scores.setdefault((layer, t, name), []).append(score)
                         if layer == "all layers" and t == timesteps[len(timesteps) // 2] and len(examples) < 12:
                             examples.append((images[first + i], f"{w['word']} ({captions[i]})", word_map, mask))
             if progress is not None:

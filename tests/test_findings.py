@@ -34,15 +34,15 @@ def test_iou_and_auc_on_hand_made_maps():
 
 
 def test_words_are_matched_to_their_objects(tmp_path):
-    from sdkit.encoders import load_text_encoder, write_tiny_bert_encoder
+    from sdkit.encoders import load_text_encoder, token_roles, write_tiny_bert_encoder
 
     tokenizer = load_text_encoder(write_tiny_bert_encoder(tmp_path / "bert", 32)).tokenizer
     scene = pair_scene(("red", "square"), "left of", ("red", "circle"), template=0)
-    words = object_words(tokenizer, scene.caption, scene.objects, 24)
+    words = object_words(token_roles(tokenizer, scene.caption, 24), scene.objects)
     assert [(w["word"], w["kind"], w["object"]) for w in words] == [
         ("red", "colour", 0), ("square", "shape", 0), ("red", "colour", 1), ("circle", "shape", 1)]  # fmt: skip
     single = single_scene("magenta", "triangle", "top", template=5)  # "a triangle colored magenta at the top"
-    words = object_words(tokenizer, single.caption, single.objects, 24)
+    words = object_words(token_roles(tokenizer, single.caption, 24), single.objects)
     assert {(w["word"], w["object"]) for w in words} == {("triangle", 0), ("magenta", 0)}
     assert all(len(w["positions"]) >= 1 for w in words)
 

@@ -115,6 +115,14 @@ def test_judge_fails_what_is_not_there():
     assert verdict.colour and verdict.shape and not verdict.position
 
 
+@pytest.mark.parametrize("field,value", [("pair_fraction", 1.5), ("empty_fraction", -0.1), ("context_length", 0),
+                                         ("lr", float("nan")), ("conditioning", "words")])  # fmt: skip
+def test_training_settings_refuse_what_cannot_be(field, value):
+    TrainSettings().check()
+    with pytest.raises(SdkitError, match=field.split("_")[0]):
+        TrainSettings(**{field: value}).check()
+
+
 def test_pooled_states_are_one_token():
     states = torch.randn(2, 5, 3)
     real = torch.tensor([[1, 1, 0, 0, 0], [1, 1, 1, 1, 0]], dtype=torch.bool)

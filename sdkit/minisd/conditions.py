@@ -122,6 +122,7 @@ def format_token_comparison(c: TokenComparison) -> str:
                         title=f"{c.model}: judged accuracy by conditioning ({c.count} prompts per set, guidance "
                               f"{c.guidance_scale:g}, {c.steps} steps)")]  # fmt: skip
     tokens, pooled = c.results["tokens"], c.results["pooled"]
+
     def pct(result, set_name, attribute):
         return f"{100 * result[set_name][attribute]:.1f} %"
 

@@ -130,7 +130,8 @@ def shape_prototypes() -> dict[str, tuple[float, float]]:
 def classify_shape(weights: np.ndarray) -> tuple[str, float, float]:
     """(the nearest shape by moments, four_fold, skew) of an object's weight map."""
     four_fold, skew = shape_moments(weights)
-    shape = min(SHAPES, key=lambda s: (shape_prototypes()[s][0] - four_fold) ** 2 + (shape_prototypes()[s][1] - skew) ** 2)
+    prototypes = shape_prototypes()
+    shape = min(SHAPES, key=lambda s: (prototypes[s][0] - four_fold) ** 2 + (prototypes[s][1] - skew) ** 2)
     return shape, four_fold, skew
 
 
