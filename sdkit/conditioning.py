@@ -451,7 +451,7 @@ def conclusion(c: Comparison) -> str:
     """One line: does one token (or one repeated) give every cell the same vector, and many not?"""
     flat = [n for n, v in c.cases.items() if v["overall"]["spatial_spread_max"] < FLOAT_NOISE]
     varied = [n for n, v in c.cases.items() if v["overall"]["spatial_spread_min"] >= FLOAT_NOISE]
-    return (f"Every cell receives the same vector under {', '.join(flat) or 'no case'}; "
+    return (f"Every cell receives the same vector under {', '.join(flat) or 'no case'};\n"
             f"cells read different things under {', '.join(varied) or 'no case'}.")
 
 

@@ -156,7 +156,7 @@ def format_score_tables(t: ScoreTables) -> str:
     batch = f"batch {t.batch}" + (" x2 for classifier-free guidance" if t.cfg else "")
     out = [format_table(
         ["level", "tokens", "heads", "head dim", "layers", "scores per head", "per head", "all heads"], rows,
-        title=f"Self-attention score tables for a {t.height}x{t.width} image ({t.preset}, {t.dtype}, {batch}; "
+        title=f"Self-attention score tables for a {t.height}x{t.width} image ({t.preset}, {t.dtype}, {batch};\n"
               f"one layer; 'all heads' = heads x batch)",
     )]  # fmt: skip
     finest = t.levels[0]

@@ -28,6 +28,7 @@ def test_sizes_and_tables():
 
 @pytest.mark.parametrize("argv", [["audit", "sd15"], ["audit", "sdxl", "--context-dim", "1024"], ["audit", "minisd"],
                                   ["scoretable"], ["scoretable", "--preset", "minisd", "--size", "64"], ["condition"],
+                                  ["scoretable", "--height", "512", "--width", "768", "--batch", "2", "--cfg"],
                                   ["--help"], ["condition", "--help"], ["minisd", "train", "--help"]])  # fmt: skip
 def test_output_lines_fit_in_120_columns(cli, argv):
     code, out, err = cli(*argv)
