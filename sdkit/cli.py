@@ -442,7 +442,8 @@ def cmd_minisd_train(args) -> None:
 
     settings = TrainSettings(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                              image_size=args.image_size, conditioning=args.conditioning,
-                             empty_fraction=args.empty_fraction, pair_fraction=args.pair_fraction)  # fmt: skip
+                             empty_fraction=args.empty_fraction, pair_fraction=args.pair_fraction,
+                             precision=args.precision, compile=not args.no_compile)  # fmt: skip
     settings.check()
     folder = args.text_encoder or os.path.join(args.encoders_dir, "all-MiniLM-L6-v2")
     _check_input(folder, "the text encoder; python scripts/get_real_encoders.py puts it in weights/encoders")
@@ -683,6 +684,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens: every token state; pooled: their mean, one key/value")  # fmt: skip
     q.add_argument("--empty-fraction", type=nonnegative_float, default=0.1, help="captions dropped for guidance")
     q.add_argument("--pair-fraction", type=nonnegative_float, default=0.5, help="images with two objects")
+    q.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
+                   help="bf16: bfloat16 autocast on float32 weights; auto: bf16 where the device computes it natively")
+    q.add_argument("--no-compile", action="store_true", help="skip torch.compile (saves its ~1-2 min start; trains slower)")
     q.add_argument("--checkpoints", metavar="DIR", help="write (and resume from) a checkpoint here")
     q.add_argument("--checkpoint-every", type=positive_int, default=200, help="steps between checkpoints")
     q.add_argument("--cache", default="weights/cache", help="where the caption states are cached")

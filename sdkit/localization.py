@@ -277,8 +277,12 @@ def format_localization(r: Localization) -> str:
     return "\n".join(out)
 
 
-def draw_examples(r: Localization, path) -> None:
-    """A PNG: example images, each word's map over it (colour bar) and the object's mask outline."""
+def draw_examples(r: Localization, path) -> bool:
+    """A PNG: example images, each word's map over it (colour bar) and the object's mask outline.
+
+    False (and nothing written) when there is no example: no named object was found."""
+    if not r.examples:
+        return False
     import matplotlib
 
     matplotlib.use("Agg")
@@ -300,3 +304,4 @@ def draw_examples(r: Localization, path) -> None:
     fig.suptitle(f"{r.model}: word attention maps (all layers) on {r.images} images; outline = the named "
                  "object's mask", fontsize=8)  # fmt: skip
     save_png(fig, path)
+    return True

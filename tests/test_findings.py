@@ -62,7 +62,7 @@ def micro_pipes(tmp_path_factory):
     pipes = {}
     for conditioning in ("tokens", "pooled"):
         out = root / conditioning
-        train(out, bert, TrainSettings(steps=2, batch_size=4, warmup_steps=1, conditioning=conditioning), config,
+        train(out, bert, TrainSettings(steps=2, batch_size=4, warmup_steps=1, conditioning=conditioning, compile=False), config,
               progress=False, cache_dir=None)  # fmt: skip
         pipes[conditioning] = MiniSDPipeline.from_pretrained(out, text_encoder=bert.source)
     return pipes
@@ -156,4 +156,4 @@ def test_adapters_drive_the_mini_sd_with_the_right_widths(micro_pipes, tmp_path)
     judged = judge_adapters(pipe, new, {k: report.adapters[k] for k in ("width_only", "linear", "mixer")},
                             sets=("singles",), count=2, steps=2)  # fmt: skip
     assert set(judged["results"]) == {"native", "width_only", "linear", "mixer"}
-    assert all(0 <= v <= 1 for r in judged["results"].values() for v in r["singles"].values())
+    assert all(v is None or 0 <= v <= 1 for r in judged["results"].values() for v in r["singles"].values())

@@ -12,7 +12,7 @@ from sdkit.minisd.data import (BACKGROUND, HELD_OUT_PAIRS, HELD_OUT_SINGLES, all
                                SHAPES, random_scene, render, sample_at, shape_coverage,
                                single_scene)  # fmt: skip
 from sdkit.minisd.evaluate import BLUR_NOISE, BLUR_PIXELS, blurred
-from sdkit.minisd.judge import accuracy, classify_shape, find_objects, judge, shape_moments
+from sdkit.minisd.judge import accuracy, classify_shape, find_objects, judge, min_object_pixels, shape_moments
 from sdkit.minisd.pipeline import MiniSDPipeline, pool_states
 from sdkit.minisd.train import Interrupted, TrainSettings, train
 
@@ -115,6 +115,27 @@ def test_judge_fails_what_is_not_there():
     assert verdict.colour and verdict.shape and not verdict.position
 
 
+def test_judge_counts_objects():
+    # A pair drawn right, plus a third object: every attribute holds, the image still fails.
+    scene = pair_scene(("red", "circle"), "left of", ("blue", "square"), row=1)
+    crowded = render(scene, 32).image
+    third = render(single_scene("red", "triangle", "top"), 32)
+    crowded = np.where(third.masks[0][..., None], third.image, crowded)
+    verdict = judge(crowded, scene)
+    assert (verdict.colour, verdict.position, verdict.shape, verdict.extra, verdict.all) == (True, True, True, True, False)
+    assert len(verdict.found) == 3
+    # A speck of a few pixels (a model's colour fringe) is not an object; half the smallest shape is.
+    speck = render(scene, 32).image.copy()
+    speck[0:2, 0:3] = (0.0, 0.9, 0.9)  # six cyan pixels
+    assert not judge(speck, scene).extra and judge(speck, scene).all
+    assert min_object_pixels(32, 32) == pytest.approx(0.5 * 1.8 * (0.14 * 32) ** 2, rel=5e-3)  # the triangle's half
+    acc = accuracy([verdict, judge(render(scene, 32).image, scene)])
+    assert (acc["all"], acc["extra"], acc["bound"], acc["position_if_bound"]) == (0.5, 0.5, 1.0, 1.0)
+    swapped = render(pair_scene(("blue", "circle"), "left of", ("red", "square")), 32).image
+    acc = accuracy([judge(swapped, scene)])
+    assert acc["bound"] == 0 and acc["position_if_bound"] is None
+
+
 @pytest.mark.parametrize("field,value", [("pair_fraction", 1.5), ("empty_fraction", -0.1), ("context_length", 0),
                                          ("lr", float("nan")), ("conditioning", "words")])  # fmt: skip
 def test_training_settings_refuse_what_cannot_be(field, value):
@@ -132,17 +153,23 @@ def test_pooled_states_are_one_token():
 
 
 def _settings(**kw):
-    return TrainSettings(**{"steps": 2, "batch_size": 4, "warmup_steps": 1, **kw})
+    return TrainSettings(**{"steps": 2, "batch_size": 4, "warmup_steps": 1, "compile": False, **kw})
 
 
-def test_training_saves_resumes_and_reloads_bit_exactly(bert, tmp_path):
+@pytest.mark.parametrize("precision,compile", [("auto", False), ("fp32", False),
+                                               pytest.param("auto", True, marks=pytest.mark.slow)])  # fmt: skip
+def test_training_saves_resumes_and_reloads_bit_exactly(bert, tmp_path, precision, compile):
     config = micro_config(bert.width)
-    whole = train(tmp_path / "whole", bert, _settings(), config, tmp_path / "ck-whole", 1, tmp_path / "cache", False)
+
+    def settings(**kw):
+        return _settings(precision=precision, compile=compile, **kw)
+
+    whole = train(tmp_path / "whole", bert, settings(), config, tmp_path / "ck-whole", 1, tmp_path / "cache", False)
     assert whole.resumed_from == 0 and len(whole.history) == 1
     with pytest.raises(Interrupted):
-        train(tmp_path / "cut", bert, _settings(), config, tmp_path / "ck-cut", 1, tmp_path / "cache", False, stop_after=1)
+        train(tmp_path / "cut", bert, settings(), config, tmp_path / "ck-cut", 1, tmp_path / "cache", False, stop_after=1)
     assert not (tmp_path / "cut").exists()  # nothing half-written
-    resumed = train(tmp_path / "cut", bert, _settings(), config, tmp_path / "ck-cut", 1, tmp_path / "cache", False)
+    resumed = train(tmp_path / "cut", bert, settings(), config, tmp_path / "ck-cut", 1, tmp_path / "cache", False)
     assert resumed.resumed_from == 1
     a = load_file(tmp_path / "whole" / "unet" / "diffusion_pytorch_model.safetensors")
     b = load_file(tmp_path / "cut" / "unet" / "diffusion_pytorch_model.safetensors")
@@ -151,9 +178,10 @@ def test_training_saves_resumes_and_reloads_bit_exactly(bert, tmp_path):
     assert all(torch.equal(p, a[n]) for n, p in pipe.unet.state_dict().items())
     spec = json.loads((tmp_path / "whole" / "minisd.json").read_text())
     assert spec["conditioning"] == "tokens" and spec["training"]["settings"]["steps"] == 2
+    assert spec["training"]["settings"]["precision"] in ("bf16", "fp32")  # "auto" is recorded as what it chose
     # A checkpoint of another run is refused, not silently continued.
     with pytest.raises(SdkitError, match="belongs to another run"):
-        train(tmp_path / "other", bert, _settings(lr=5e-4), config, tmp_path / "ck-whole", 1, tmp_path / "cache", False)
+        train(tmp_path / "other", bert, settings(lr=5e-4), config, tmp_path / "ck-whole", 1, tmp_path / "cache", False)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from ..common import format_table
 from ..encoders import TextEncoder
 from .data import random_scene
 from .evaluate import prompt_set
-from .judge import ATTRIBUTES, accuracy, judge
+from .judge import HEADERS, accuracy, accuracy_cells, judge
 from .pipeline import MiniSDPipeline
 
 SETS = ("singles", "pairs", "held_out_singles")
@@ -59,8 +59,8 @@ def format_judged(j: dict, model: str) -> str:
         for set_name in j["sets"]:
             acc = by_set[set_name]
             relative = acc["all"] / native[set_name]["all"] if native[set_name]["all"] else float("nan")
-            rows.append([name if set_name == j["sets"][0] else "", set_name, *(f"{100 * acc[a]:.1f} %" for a in ATTRIBUTES),
+            rows.append([name if set_name == j["sets"][0] else "", set_name, *accuracy_cells(acc),
                          "-" if name == "native" else f"{100 * relative:.0f} %"])  # fmt: skip
     title = (f"{model} driven through each adapter: judged accuracy ({j['count']} prompts per set, guidance "
              f"{j['guidance_scale']:g}); 'of native' = all-attributes accuracy relative to the model's own encoder")  # fmt: skip
-    return format_table(["method", "prompts", *ATTRIBUTES, "of native"], rows, title=title)
+    return format_table(["method", "prompts", *HEADERS, "of native"], rows, title=title)

@@ -27,7 +27,7 @@ import torch
 from ..common import format_table
 from ..encoders import token_roles
 from .evaluate import prompt_set, wrap_words
-from .judge import ATTRIBUTES, accuracy, judge
+from .judge import ATTRIBUTES, HEADERS, accuracy, accuracy_cells, judge
 from .pipeline import MiniSDPipeline, pool_states
 
 CONDITIONS = ("tokens", "pooled", "eos", "pooled repeated", "words only", "bos only")
@@ -117,8 +117,8 @@ def format_token_comparison(c: TokenComparison) -> str:
     for name, by_set in c.results.items():
         for set_name in SETS:
             acc = by_set[set_name]
-            rows.append([name if set_name == SETS[0] else "", set_name, *(f"{100 * acc[a]:.1f} %" for a in ATTRIBUTES)])
-    out = [format_table(["condition", "prompts", *ATTRIBUTES], rows,
+            rows.append([name if set_name == SETS[0] else "", set_name, *accuracy_cells(acc)])
+    out = [format_table(["condition", "prompts", *HEADERS], rows,
                         title=f"{c.model}: judged accuracy by conditioning ({c.count} prompts per set, guidance "
                               f"{c.guidance_scale:g}, {c.steps} steps)")]  # fmt: skip
     tokens, pooled = c.results["tokens"], c.results["pooled"]

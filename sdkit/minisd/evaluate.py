@@ -20,7 +20,7 @@ import numpy as np
 from ..common import SdkitError, format_table, save_png
 from .data import HELD_OUT_PAIRS, HELD_OUT_SINGLES, PAIR_TEMPLATES, RELATIONS, SINGLE_TEMPLATES, Scene, pair_scene, \
     random_scene, render, single_scene  # fmt: skip
-from .judge import ATTRIBUTES, accuracy, judge
+from .judge import HEADERS, accuracy, accuracy_cells, accuracy_intervals, judge
 from .pipeline import MiniSDPipeline
 
 SETS = ("singles", "pairs", "held_out_singles", "held_out_pairs")
@@ -73,6 +73,7 @@ class Evaluation:
     results: dict[str, dict[str, dict[str, float]]]  # condition -> set -> attribute -> accuracy
     seconds: float
     verdicts: dict[str, list[dict]] = field(default_factory=dict)  # per set, the model's verdict per image
+    intervals: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # per set: the model's 95 % intervals
     images: dict[str, np.ndarray] = field(default_factory=dict, repr=False)  # per set, the model's images
     scenes: dict[str, list[Scene]] = field(default_factory=dict, repr=False)
 
@@ -114,6 +115,7 @@ def evaluate(pipe: MiniSDPipeline, sets=SETS, count: int = 64, guidance_scale: f
         states = pipe.encode(captions)
         out = pipe(captions, seeds, guidance_scale, steps, sampler, prompt_embeds=states, progress=progress)
         results["model"][name], verdicts = judge_images(out.images, set_scenes)
+        ev.intervals[name] = accuracy_intervals(verdicts)
         ev.images[name], ev.verdicts[name] = out.images, [v.to_json() for v in verdicts]
         if floors:
             empty = pipe.encode([""]).expand(len(captions), -1, -1)
@@ -131,10 +133,10 @@ def format_evaluation(ev: Evaluation) -> str:
         for condition, by_set in ev.results.items():
             acc = by_set[name]
             rows.append([name if condition == "model" else "", condition, ev.counts[name],
-                         *(f"{100 * acc[a]:.1f} %" for a in ATTRIBUTES)])  # fmt: skip
+                         *accuracy_cells(acc)])  # fmt: skip
     title = (f"{ev.model}: judged accuracy, {ev.sampler} {ev.steps} steps, guidance {ev.guidance_scale:g} "
              "(position: the cell for one object, left/right for a pair)")  # fmt: skip
-    out = [format_table(["set", "images from", "n", *ATTRIBUTES], rows, title=title)]
+    out = [format_table(["set", "images from", "n", *HEADERS], rows, title=title)]
     out.append(f"\n{sum(ev.counts.values())} prompts per condition in {ev.seconds:.0f} s")
     return "\n".join(out)
 
@@ -158,10 +160,12 @@ def draw_panel(ev: Evaluation, path, per_set: int = 8) -> None:
             verdict = ev.verdicts[name][c]
             ax.imshow(ev.images[name][c], interpolation="nearest")
             marks = " ".join(f"{a[0]}{'+' if verdict[a] else '-'}" for a in ("colour", "position", "shape"))
+            marks += f" {len(verdict['found'])} found" if verdict["extra"] else ""
             ax.set_title(wrap_words(ev.scenes[name][c].caption) + f"\n{marks}", fontsize=6.5,
                          color="darkgreen" if verdict["all"] else "firebrick")  # fmt: skip
         axes[r, 0].text(-0.15, 0.5, name, transform=axes[r, 0].transAxes, rotation=90, va="center", ha="right", fontsize=8)
-    fig.suptitle(f"{ev.model}: green = all correct (c colour, p position, s shape); guidance {ev.guidance_scale:g}",
+    fig.suptitle(f"{ev.model}: green = all correct (c colour, p position, s shape; 'found' when more objects than "
+                 f"named); guidance {ev.guidance_scale:g}",
                  fontsize=9)  # fmt: skip
     save_png(fig, path)
 

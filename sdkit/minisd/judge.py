@@ -20,13 +20,16 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .data import COLOURS, POSITIONS, SHAPES, Scene, shape_coverage
+from .data import COLOURS, POSITIONS, RADIUS, SHAPES, Scene, shape_coverage
 
 # A pixel half covered by an object has saturation 0.55 (the background has none, objects 0.85): the
 # generator's masks are the pixels at least half covered. A little below that, for paler colours; a
 # blur that bridges two objects of one colour still leaves them apart at this level.
 MIN_SATURATION = 0.5
-MIN_AREA = 0.004  # smallest object, as a fraction of the image (4 pixels at 32 x 32)
+# A region counts as an object from half the area of the smallest shape the generator draws (the
+# triangle: 18 pixels at 32 x 32); smaller specks, such as the few pixels of the opposite hue a model
+# leaves at an edge, are not objects.
+MIN_AREA_OF_SMALLEST = 0.5
 SOFT_EDGE = 2  # pixels around an object's mask whose chroma still counts towards its shape
 
 
@@ -115,6 +118,7 @@ def shape_moments(weights: np.ndarray) -> tuple[float, float]:
 
 
 _PROTOTYPES: dict[str, tuple[float, float]] = {}
+_AREAS: dict[str, float] = {}
 
 
 def shape_prototypes() -> dict[str, tuple[float, float]]:
@@ -123,8 +127,16 @@ def shape_prototypes() -> dict[str, tuple[float, float]]:
         side = 512
         y, x = np.meshgrid(np.arange(side) + 0.5, np.arange(side) + 0.5, indexing="ij")
         for shape in SHAPES:
-            _PROTOTYPES[shape] = shape_moments(shape_coverage(shape, x, y, side / 2, side / 2, side / 4).astype(float))
+            inside = shape_coverage(shape, x, y, side / 2, side / 2, side / 4).astype(float)
+            _PROTOTYPES[shape] = shape_moments(inside)
+            _AREAS[shape] = inside.mean() * (RADIUS * 4) ** 2  # as a fraction of an image, at the generator's size
     return _PROTOTYPES
+
+
+def min_object_pixels(height: int, width: int) -> float:
+    """The fewest pixels a region needs to count as an object, in an image of this size."""
+    shape_prototypes()
+    return MIN_AREA_OF_SMALLEST * min(_AREAS.values()) * height * width
 
 
 def classify_shape(weights: np.ndarray) -> tuple[str, float, float]:
@@ -148,8 +160,8 @@ def _grow(mask: np.ndarray, steps: int) -> np.ndarray:
     return grown
 
 
-def find_objects(image: np.ndarray, max_objects: int = 2) -> list[FoundObject]:
-    """The largest coloured regions of an image (H, W, 3) in [0, 1], largest first.
+def find_objects(image: np.ndarray, max_objects: int | None = None) -> list[FoundObject]:
+    """The coloured regions of an image (H, W, 3) in [0, 1], largest first (at most `max_objects`).
 
     A region is a 4-connected set of saturated pixels that share one of the six hues (so two
     touching objects of different colours stay two objects).
@@ -164,11 +176,11 @@ def find_objects(image: np.ndarray, max_objects: int = 2) -> list[FoundObject]:
     centres = np.array([COLOURS[n] for n in names])
     distance = np.abs(hue[..., None] - centres)
     label = np.argmin(np.minimum(distance, 360 - distance), axis=-1)
-    objects = []
+    objects, smallest = [], min_object_pixels(*image.shape[:2])
     for index, name in enumerate(names):
         for component in _components(coloured & (label == index)):
             area = int(component.sum())
-            if area < MIN_AREA * image.shape[0] * image.shape[1]:
+            if area < smallest:
                 continue
             ys, xs = np.nonzero(component)
             # Its soft edge: the pixels near it of its hue, weighted by chroma above the background's.
@@ -182,7 +194,7 @@ def find_objects(image: np.ndarray, max_objects: int = 2) -> list[FoundObject]:
             objects.append(FoundObject(_nearest_colour(hue[component]), shape, row, column, (float(cy), float(cx)),
                                        area, four_fold, skew, component))  # fmt: skip
     objects.sort(key=lambda o: -o.area)
-    return objects[:max_objects]
+    return objects[:max_objects] if max_objects is not None else objects
 
 
 @dataclass
@@ -190,34 +202,42 @@ class Verdict:
     colour: bool
     position: bool  # single: the cell; pair: the relation (which is left of which)
     shape: bool
+    extra: bool  # more objects in the image than the caption names
     found: list[dict]
 
     @property
     def all(self) -> bool:
-        return self.colour and self.position and self.shape
+        return self.colour and self.position and self.shape and not self.extra
+
+    @property
+    def bound(self) -> bool:
+        """Every named object is there with its own colour and shape (for a pair: binding right)."""
+        return self.colour and self.shape
 
     def to_json(self) -> dict:
-        return {"colour": self.colour, "position": self.position, "shape": self.shape, "all": self.all,
-                "found": self.found}  # fmt: skip
+        return {"colour": self.colour, "position": self.position, "shape": self.shape, "extra": self.extra,
+                "all": self.all, "found": self.found}  # fmt: skip
 
 
 def judge(image: np.ndarray, scene: Scene) -> Verdict:
-    """Does the image show what the scene asks for? Judged on the largest one or two regions.
+    """Does the image show what the scene asks for, and nothing more?
 
-    Single object: its colour, its cell and its shape. Pair: both colours and both shapes on the
-    right objects (the assignment that matches best), and the relation between them. A missing
-    object fails everything it should have shown.
+    Attributes are read on the largest one or two regions. Single object: its colour, its cell
+    and its shape. Pair: both colours and both shapes on the right objects (the assignment that
+    matches best), and the relation between them. A missing object fails everything it should
+    have shown; more objects than the caption names (`extra`) fail the image as a whole.
     """
-    found = find_objects(image, max_objects=len(scene.objects))
+    found = find_objects(image)
     shown = [o.to_json() for o in found]
+    extra = len(found) > len(scene.objects)
     if len(scene.objects) == 1:
         if not found:
-            return Verdict(False, False, False, shown)
+            return Verdict(False, False, False, extra, shown)
         want, got = scene.objects[0], found[0]
         return Verdict(got.colour == want.colour, (got.row, got.column) == (want.row, want.column),
-                       got.shape == want.shape, shown)  # fmt: skip
+                       got.shape == want.shape, extra, shown)  # fmt: skip
     if len(found) < 2:
-        return Verdict(False, False, False, shown)
+        return Verdict(False, False, False, extra, shown)
     a, b = scene.objects
 
     def score(pair):
@@ -228,15 +248,47 @@ def judge(image: np.ndarray, scene: Scene) -> Verdict:
     shape = first.shape == a.shape and second.shape == b.shape
     is_left = first.centroid[1] < second.centroid[1]
     position = is_left == (scene.relation == "left of")
-    return Verdict(colour, position, shape, shown)
+    return Verdict(colour, position, shape, extra, shown)
 
 
-ATTRIBUTES = ("colour", "position", "shape", "all")
+ATTRIBUTES = ("colour", "position", "shape", "all")  # right or wrong per image
+# A judged table's columns: the attributes, the images showing more objects than named, and the
+# position (for pairs: the relation) over the images whose named objects are there, bound right.
+COLUMNS = ("colour", "position", "shape", "extra", "all", "position_if_bound")
+HEADERS = ("colour", "position", "shape", "extra objects", "all", "position if bound")
 
 
-def accuracy(verdicts: list[Verdict]) -> dict[str, float]:
-    """Fraction correct per attribute, and for all attributes at once."""
+def accuracy(verdicts: list[Verdict]) -> dict[str, float | None]:
+    """Fraction right per attribute and for all at once; `extra`: the fraction of images with more
+    objects than named; `bound`: with every named object there in its own colour and shape;
+    `position_if_bound`: position over those (None when there are none)."""
     n = max(len(verdicts), 1)
-    return {k: sum(getattr(v, k) for v in verdicts) / n for k in ATTRIBUTES}
+    out: dict[str, float | None] = {k: sum(getattr(v, k) for v in verdicts) / n for k in (*ATTRIBUTES, "extra", "bound")}
+    bound = [v for v in verdicts if v.bound]
+    out["position_if_bound"] = sum(v.position for v in bound) / len(bound) if bound else None
+    return out
 
 
+def accuracy_cells(acc: dict) -> list[str]:
+    """The COLUMNS of one judged row, as percentages ("-" where there is nothing to divide by)."""
+    return ["-" if acc.get(k) is None else f"{100 * acc[k]:.1f} %" for k in COLUMNS]
+
+
+def accuracy_intervals(verdicts: list[Verdict], samples: int = 2000, seed: int = 0,
+                       level: float = 0.95) -> dict[str, list[float]]:  # fmt: skip
+    """Percentile bootstrap intervals of `accuracy` over the images (prompts) drawn with replacement."""
+    table = np.array([[getattr(v, k) for k in (*ATTRIBUTES, "extra", "bound")] for v in verdicts], dtype=float)
+    position = np.array([v.position for v in verdicts], dtype=float)
+    rng = np.random.default_rng(seed)
+    draws = rng.integers(0, len(verdicts), (samples, len(verdicts)))
+    means = table[draws].mean(1)  # (samples, columns)
+    bound = table[draws][..., -1]
+    with np.errstate(invalid="ignore"):
+        if_bound = (position[draws] * bound).sum(1) / bound.sum(1)  # NaN for a draw with nothing bound
+    tail = 100 * (1 - level) / 2
+    out = {k: [float(np.percentile(means[:, i], tail)), float(np.percentile(means[:, i], 100 - tail))]
+           for i, k in enumerate((*ATTRIBUTES, "extra", "bound"))}  # fmt: skip
+    finite = if_bound[np.isfinite(if_bound)]
+    if len(finite):
+        out["position_if_bound"] = [float(np.percentile(finite, tail)), float(np.percentile(finite, 100 - tail))]
+    return out

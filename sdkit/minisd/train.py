@@ -18,7 +18,7 @@ import math
 import os
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +53,11 @@ class TrainSettings:
     context_length: int = 24
     conditioning: str = "tokens"  # or "pooled": the mean token state, one key/value
     seed: int = 0
+    # "bf16": accelerate's autocast (bfloat16 convolutions and matmuls on float32 weights), where the
+    # device computes bfloat16 natively (this CPU's AMX does it 3-7x faster than float32); "fp32";
+    # "auto": bf16 where native, else fp32. Either is the weights' recipe: part of the fingerprint.
+    precision: str = "auto"
+    compile: bool = True  # torch.compile the U-Net: fused element-wise work, ~1.3x here after ~80 s
 
     def check(self) -> None:
         for name in ("steps", "batch_size", "image_size", "context_length"):
@@ -69,6 +74,23 @@ class TrainSettings:
             raise SdkitError("empty_fraction and pair_fraction are fractions (0 to 1)")
         if self.conditioning not in CONDITIONINGS:
             raise SdkitError(f"unknown conditioning {self.conditioning!r}; choose one of {', '.join(CONDITIONINGS)}")
+        if self.precision not in PRECISIONS:
+            raise SdkitError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
+
+
+PRECISIONS = ("auto", "bf16", "fp32")
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """ "auto" -> "bf16" where the device computes bfloat16 natively, else "fp32"."""
+    if precision != "auto":
+        return precision
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+    if device.type == "cpu":  # AMX or AVX512-BF16; elsewhere bfloat16 is emulated, slower than float32
+        checks = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+        return "bf16" if any(getattr(torch.cpu, check, lambda: False)() for check in checks) else "fp32"
+    return "fp32"
 
 
 # --- caption states, encoded once ----------------------------------------------------------------
@@ -159,6 +181,21 @@ def learning_rate(step: int, settings: TrainSettings) -> float:
     return settings.lr * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def weighted_loss(prediction, noise, timesteps, noise_scheduler, settings: TrainSettings) -> torch.Tensor:
+    """The batch's epsilon MSE, each sample weighted by its timestep (float32 whatever the precision)."""
+    from diffusers.training_utils import compute_snr
+
+    loss = F.mse_loss(prediction.float(), noise, reduction="none").mean(dim=(1, 2, 3))
+    if settings.snr_gamma:
+        # The epsilon error is sqrt(SNR) x the error of the implied clean image, so weighting the
+        # epsilon MSE by w / SNR weights the image error by w = min(SNR, gamma) + floor: Min-SNR's
+        # clip at the clean end, and at least `floor` at the noisy end, where plain epsilon MSE
+        # (w = SNR) gives the layout and colours the text decides almost no weight.
+        snr = compute_snr(noise_scheduler, timesteps)
+        loss = loss * (torch.clamp(snr, max=settings.snr_gamma) + settings.x0_weight_floor) / snr
+    return loss.mean()
+
+
 # --- training ----------------------------------------------------------------------------------------
 
 
@@ -169,6 +206,7 @@ class Interrupted(Exception):
 @dataclass
 class TrainResult:
     folder: str
+    settings: dict  # as trained: "auto" precision resolved
     steps: int
     resumed_from: int
     seconds: float
@@ -191,9 +229,10 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
     With `checkpoint_dir`, the full state (weights, EMA, optimizer, step) is written there every
     `checkpoint_every` steps, and a run that finds a checkpoint of the same run resumes from it.
     """
-    from accelerate import Accelerator
+    from accelerate import Accelerator, PartialState
     from diffusers import DDPMScheduler
-    from diffusers.training_utils import EMAModel, compute_snr
+    from diffusers.models.attention_processor import AttnProcessor
+    from diffusers.training_utils import EMAModel
     from tqdm import tqdm
 
     from ..presets import build_unet, preset_config
@@ -207,6 +246,11 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
     if config.get("cross_attention_dim") != encoder.width:
         raise SdkitError(f"the U-Net config reads {config.get('cross_attention_dim')}-wide states, the text encoder "
                          f"gives {encoder.width}")  # fmt: skip
+    device = PartialState().device
+    settings = replace(settings, precision=resolve_precision(settings.precision, device))
+    # Precision and compilation are set here, not through Accelerator(mixed_precision=...,
+    # dynamo_backend=...): accelerate keeps those in a process-wide state that a second run in the
+    # same process (a notebook, the ablation) could not change.
     accelerator = Accelerator()
     if settings.batch_size % accelerator.num_processes:
         raise SdkitError(f"batch size {settings.batch_size} does not split over {accelerator.num_processes} processes")
@@ -217,58 +261,61 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
     captions.max_length = settings.context_length
     noise_scheduler = DDPMScheduler.from_config(SCHEDULER_CONFIG)
     unet = build_unet(config, weights="random", seed=settings.seed).train()
+    if device.type == "cpu" and settings.precision == "bf16":
+        # On the CPU, attention as bmm + softmax trains 1.6x faster in bfloat16 than the fused
+        # scaled_dot_product_attention, whose bfloat16 backward is slow there (in float32 it is 15 % slower).
+        unet.set_attn_processor(AttnProcessor())
     ema = EMAModel(unet.parameters(), decay=settings.ema_max_decay, use_ema_warmup=True, inv_gamma=1.0,
-                   power=settings.ema_power)  # fmt: skip
-    optimizer = torch.optim.AdamW(unet.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
+                   power=settings.ema_power, foreach=True)  # fmt: skip
+    optimizer = torch.optim.AdamW(unet.parameters(), lr=settings.lr, weight_decay=settings.weight_decay,
+                                  fused=device.type in ("cpu", "cuda"))  # fmt: skip
     fingerprint = run_fingerprint(settings, config, encoder)
     checkpoint = Path(checkpoint_dir) / CHECKPOINT if checkpoint_dir else None
     start, history = 0, []
     if checkpoint and checkpoint.is_file():
         start, history = load_checkpoint(checkpoint, unet, ema, optimizer, fingerprint)
     model, optimizer = accelerator.prepare(unet, optimizer)
+    model = torch.compile(model) if settings.compile else model
     ema.to(accelerator.device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=settings.precision == "bf16")
 
     bar = tqdm(total=settings.steps, initial=start, desc="training mini SD", unit="step",
                disable=not progress or not accelerator.is_main_process)  # fmt: skip
     began, window_loss, window_steps = time.perf_counter(), 0.0, 0
-    for step in range(start, settings.steps):
-        step_start = time.perf_counter()
-        pixels, states, noise, timesteps, _ = batch_at(step, settings, captions, accelerator.process_index,
-                                                       accelerator.num_processes)  # fmt: skip
-        pixels, states, noise, timesteps = (t.to(accelerator.device) for t in (pixels, states, noise, timesteps))
-        noisy = noise_scheduler.add_noise(pixels, noise, timesteps)
-        prediction = model(noisy, timesteps, encoder_hidden_states=states).sample
-        loss = F.mse_loss(prediction.float(), noise, reduction="none").mean(dim=(1, 2, 3))
-        if settings.snr_gamma:
-            # The epsilon error is sqrt(SNR) x the error of the implied clean image, so weighting the
-            # epsilon MSE by w / SNR weights the image error by w = min(SNR, gamma) + floor: Min-SNR's
-            # clip at the clean end, and at least `floor` at the noisy end, where plain epsilon MSE
-            # (w = SNR) gives the layout and colours the text decides almost no weight.
-            snr = compute_snr(noise_scheduler, timesteps)
-            loss = loss * (torch.clamp(snr, max=settings.snr_gamma) + settings.x0_weight_floor) / snr
-        loss = loss.mean()
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, settings)
-        optimizer.zero_grad()
-        accelerator.backward(loss)
-        accelerator.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
-        optimizer.step()
-        ema.step(accelerator.unwrap_model(model).parameters())
-        window_loss, window_steps = window_loss + loss.item(), window_steps + 1
-        done = step + 1
-        if done % 25 == 0 or done == settings.steps:
-            history.append({"step": done, "loss": window_loss / window_steps})
-            window_loss, window_steps = 0.0, 0
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.4f}", samples_s=f"{settings.batch_size / (time.perf_counter() - step_start):.1f}")
-        if checkpoint and accelerator.is_main_process and (done % checkpoint_every == 0 or done == settings.steps):
-            save_checkpoint(checkpoint, accelerator.unwrap_model(model), ema, optimizer, done, history, fingerprint)
-        if stop_after is not None and done >= stop_after and done < settings.steps:
-            bar.close()
-            raise Interrupted(f"stopped after step {done}")
-    bar.close()
+    try:
+        for step in range(start, settings.steps):
+            step_start = time.perf_counter()
+            pixels, states, noise, timesteps, _ = batch_at(step, settings, captions, accelerator.process_index,
+                                                           accelerator.num_processes)  # fmt: skip
+            pixels, states, noise, timesteps = (t.to(accelerator.device) for t in (pixels, states, noise, timesteps))
+            noisy = noise_scheduler.add_noise(pixels, noise, timesteps)
+            with autocast:
+                prediction = model(noisy, timesteps, encoder_hidden_states=states).sample
+            loss = weighted_loss(prediction, noise, timesteps, noise_scheduler, settings)
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(step, settings)
+            optimizer.zero_grad()
+            accelerator.backward(loss)
+            accelerator.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
+            optimizer.step()
+            ema.step(unet.parameters())
+            window_loss, window_steps = window_loss + loss.item(), window_steps + 1
+            done = step + 1
+            if done % 25 == 0 or done == settings.steps:
+                # seconds: since this process began training (a resumed run counts from its own start)
+                history.append({"step": done, "loss": window_loss / window_steps,
+                                "seconds": round(time.perf_counter() - began, 3)})  # fmt: skip
+                window_loss, window_steps = 0.0, 0
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss.item():.4f}", samples_s=f"{settings.batch_size / (time.perf_counter() - step_start):.1f}")
+            if checkpoint and accelerator.is_main_process and (done % checkpoint_every == 0 or done == settings.steps):
+                save_checkpoint(checkpoint, unet, ema, optimizer, done, history, fingerprint)
+            if stop_after is not None and done >= stop_after and done < settings.steps:
+                raise Interrupted(f"stopped after step {done}")
+    finally:
+        bar.close()
     seconds = time.perf_counter() - began
-    result = TrainResult(str(out), settings.steps, start, seconds,
+    result = TrainResult(str(out), asdict(settings), settings.steps, start, seconds,
                          (settings.steps - start) * settings.batch_size / max(seconds, 1e-9), history)  # fmt: skip
     if accelerator.is_main_process:
         final = build_unet(config, weights="random", seed=settings.seed)
