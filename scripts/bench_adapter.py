@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from sdkit.adapter import TrainConfig, compare_adapters, format_report, generate_prompts, split_by_prompt
+from sdkit.adapter import TrainConfig, compare_adapters, format_report, generate_prompts
 from sdkit.common import write_json
 from sdkit.encoders import load_text_encoder
 from sdkit.loading import load_unet
@@ -46,8 +46,7 @@ def main():
           " check working, not how a real SD U-Net would fare. Run `sdkit adapter train --unet` with a real SD 1.5\n"
           " U-Net and CLIP ViT-L/14 as the old encoder for that.)")
 
-    train_idx, _, _ = split_by_prompt(len(prompts))
-    train_prompts = [prompts[i] for i in train_idx]
+    train_prompts = prompts[: report.prompts["train"]]  # as many prompts as the training split holds
     start = time.perf_counter()
     for i in range(0, len(train_prompts), 64):  # what encode_prompts does without its cache
         new.encode(train_prompts[i : i + 64])

@@ -30,6 +30,7 @@ from .common import SdkitError, atomic_folder, atomic_path, format_table, write_
 from .encoders import TextEncoder, TokenRoles, encoder_fingerprint, token_roles
 
 KINDS = ("linear", "mlp", "mixer")
+REPORT_FILE = "report.json"  # written last into --out: it marks the folder as sdkit's
 ROLE_CODES = {"bos": 0, "word": 1, "eos": 2, "padding": 3}
 METHODS = ("width_only", "mean", "lstsq", "linear", "mlp", "mixer")
 
@@ -350,14 +351,36 @@ def _read_cache(folder: Path, settings: dict, count: int) -> dict | None:
     return data if all(len(v) == count for v in data.values()) else None
 
 
-def split_by_prompt(n: int, seed: int = 0, val: float = 0.1, test: float = 0.1) -> tuple[list[int], list[int], list[int]]:
-    """Train / validation / held-out test indices, by prompt (no prompt's tokens in two splits)."""
-    order = list(range(n))
+def distinct_prompts(new: TextEncoder, old: TextEncoder, prompts: list[str]) -> tuple[list[str], int]:
+    """The prompts without repeats, first occurrence kept, and how many repeats were merged.
+
+    Two prompts are the same when both encoders read the same tokens (their tokenizers' own
+    normalisation: case, accents, spacing, and truncation to the positions they read), since
+    then their states are the same: a repeat in two splits is a test prompt seen in training."""
+    keys = zip(*(encoder.tokenizer(list(prompts), truncation=True, max_length=encoder.max_length)["input_ids"]
+                 for encoder in (new, old)))  # fmt: skip
+    seen, kept = set(), []
+    for prompt, key in zip(prompts, keys):
+        key = tuple(map(tuple, key))
+        if key not in seen:
+            seen.add(key)
+            kept.append(prompt)
+    return kept, len(prompts) - len(kept)
+
+
+def split_by_prompt(n: int, seed: int = 0, val: float = 0.1, test: float = 0.1,
+                    train_only=()) -> tuple[list[int], list[int], list[int]]:  # fmt: skip
+    """Train / validation / held-out test indices, by prompt (no prompt's tokens in two splits).
+
+    `train_only` indices always train (the empty prompt: the unconditional embedding is needed,
+    not tested)."""
+    order = [i for i in range(n) if i not in set(train_only)]
     random.Random(seed).shuffle(order)
     n_test, n_val = max(1, round(n * test)), max(1, round(n * val))
-    if n - n_test - n_val < 1:
-        raise SdkitError(f"{n} prompts are too few to split into train, validation and test")
-    return sorted(order[n_test + n_val :]), sorted(order[n_test : n_test + n_val]), sorted(order[:n_test])
+    if n - n_test - n_val < 1 or len(order) < n_test + n_val:
+        raise SdkitError(f"{n} distinct prompts are too few to split into train, validation and test")
+    return sorted(order[n_test + n_val :] + list(train_only)), sorted(order[n_test : n_test + n_val]), \
+        sorted(order[:n_test])  # fmt: skip
 
 
 # --- fitting and training -----------------------------------------------------------------------
@@ -700,13 +723,16 @@ def compare_adapters(new: TextEncoder, old: TextEncoder, prompts: list[str], kin
     if unet is not None and unet.config.cross_attention_dim != old.width:
         raise SdkitError(f"the U-Net reads {unet.config.cross_attention_dim}-wide states but the old encoder gives "
                          f"{old.width}; choose a U-Net made for the old encoder")  # fmt: skip
+    prompts, merged = distinct_prompts(new, old, prompts)
+    train_idx, val_idx, test_idx = split_by_prompt(len(prompts), seed, train_only=[i for i, p in enumerate(prompts)
+                                                                                    if not p.strip()])  # fmt: skip
     start = time.perf_counter()
     data, from_cache = encode_prompts(new, old, prompts, cache_dir, progress=progress)
     encode_seconds = time.perf_counter() - start
-    train_idx, val_idx, test_idx = split_by_prompt(len(prompts), seed)
     train, val, test = data.subset(train_idx), data.subset(val_idx), data.subset(test_idx)
     x_train, y_train = train.tokens()
-    report = AdapterReport(new.source, old.source, {"train": len(train_idx), "val": len(val_idx), "test": len(test_idx)},
+    report = AdapterReport(new.source, old.source, {"train": len(train_idx), "val": len(val_idx), "test": len(test_idx),
+                                                    "duplicates_merged": merged},
                            {"train": len(x_train), "val": int(val.read.sum()), "test": int(test.read.sum())},
                            from_cache, unet=unet_name)  # fmt: skip
     report.timings["encode_seconds"] = encode_seconds
@@ -752,7 +778,7 @@ def compare_adapters(new: TextEncoder, old: TextEncoder, prompts: list[str], kin
             with atomic_folder(folder) as tmp:
                 adapters[kind].save_pretrained(tmp)
             report.saved[kind] = str(folder)
-        write_json(Path(out_dir) / "report.json", report.to_json())
+        write_json(Path(out_dir) / REPORT_FILE, report.to_json())
     return report
 
 
@@ -803,7 +829,9 @@ def format_report(r: AdapterReport) -> str:
 
     out = [f"new encoder: {r.new}", f"old encoder: {r.old}",
            f"prompts: {r.prompts['train']} train / {r.prompts['val']} validation / {r.prompts['test']} held-out test "
-           f"({r.tokens['train']:,} training tokens; states {'read from the cache' if r.from_cache else 'encoded and cached'})"]  # fmt: skip
+           f"({r.tokens['train']:,} training tokens; states {'read from the cache' if r.from_cache else 'encoded and cached'})"
+           + (f"; {r.prompts['duplicates_merged']:,} repeated prompts merged (the same tokens for both encoders)"
+              if r.prompts.get("duplicates_merged") else "")]  # fmt: skip
     # Two tables, so that lines stay within 120 columns: per token, then per prompt and at the U-Net.
     for title, columns in (("Held-out prompts, per token", COLUMNS[:6]),
                            ("Held-out prompts, per prompt" + (" and at the U-Net" if has_unet else ""),

@@ -14,9 +14,12 @@ import os
 import sys
 import warnings
 
-from .common import SdkitError, check_output, parse_bytes, write_json
+from .common import SdkitError, check_output, check_output_folder, parse_bytes, write_json
 
 PRESET_NAMES = "sd15, sd21, sdxl, tiny, minisd"  # presets.PRESETS, without importing torch to say so
+# The file that marks a folder as one sdkit wrote (minisd.pipeline.SPEC_FILE, adapter.REPORT_FILE,
+# conditioning.MAPS_FILE), named here so that outputs are checked before torch is imported.
+MODEL_MARKER, ADAPTERS_MARKER, MAPS_MARKER = "minisd.json", "report.json", "maps.json"
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -134,16 +137,24 @@ def _bar(args, **kwargs):
     return tqdm(leave=False, disable=True if getattr(args, "json", False) else None, **kwargs)
 
 
-def _check_outputs(args, files=(), folders=()) -> None:
-    """Check every output path the command will write, before it starts working."""
+def _check_outputs(args, files=(), folders=(), owned: dict | None = None, inputs=()) -> None:
+    """Check every output path the command will write, before it starts working.
+
+    files: flags naming output files; folders: flags naming folders the command adds its own files
+    to (caches, checkpoints); owned: flag -> marker file, for folders the command writes as a whole
+    (a model, adapters, maps): new, empty, or written by sdkit before. inputs: what the command
+    reads, which no output may overwrite."""
     if getattr(args, "json_out", None):
-        check_output(args.json_out, "--json-out file")
+        check_output(args.json_out, "--json-out file", inputs=inputs)
     for flag in files:
         if getattr(args, flag, None):
-            check_output(getattr(args, flag), f"--{flag.replace('_', '-')} file")
+            check_output(getattr(args, flag), f"--{flag.replace('_', '-')} file", inputs=inputs)
     for flag in folders:
         if getattr(args, flag, None):
             check_output(getattr(args, flag), f"--{flag.replace('_', '-')} folder", folder=True)
+    for flag, marker in (owned or {}).items():
+        if getattr(args, flag, None):
+            check_output_folder(getattr(args, flag), marker, f"--{flag.replace('_', '-')} folder", inputs=inputs)
 
 
 def _check_input(path: str, what: str) -> None:
@@ -160,7 +171,7 @@ def _check_input(path: str, what: str) -> None:
 
 
 def cmd_audit(args) -> None:
-    _check_outputs(args)
+    _check_outputs(args, inputs=[args.model])
     from .audit import audit, format_audit
 
     result = audit(args.model, allow_pickle=args.allow_pickle, context_dim=args.context_dim, image_size=args.image_size)
@@ -266,7 +277,8 @@ def _minisd_findings(args) -> None:
 
 
 def cmd_condition(args) -> None:
-    _check_outputs(args, files=("plot",), folders=("maps",))
+    _check_outputs(args, files=("plot",), owned={"maps": MAPS_MARKER},
+                   inputs=[args.unet, args.text_encoder, args.tokenizer, args.pooled_model])
     if args.masks and args.generate:
         raise SdkitError("choose one of --masks and --generate")
     if args.tokenizer and not args.text_encoder:
@@ -372,8 +384,9 @@ def _run_comparison(args, new_dir, old_dir, prompts, note: str | None = None) ->
     _report(args, data, table)
 
 
-def _check_training_outputs(args) -> None:
-    _check_outputs(args, folders=("out", "cache", "checkpoints"))
+def _check_training_outputs(args, inputs=()) -> None:
+    _check_outputs(args, folders=("cache", "checkpoints"), owned={"out": ADAPTERS_MARKER},
+                   inputs=[args.unet, *inputs])  # fmt: skip
 
 
 def cmd_adapter_demo(args) -> None:
@@ -388,7 +401,7 @@ def cmd_adapter_demo(args) -> None:
 
 
 def cmd_adapter_train(args) -> None:
-    _check_training_outputs(args)
+    _check_training_outputs(args, inputs=[args.new, args.old, args.corpus])
     for flag in ("new", "old"):
         _check_input(getattr(args, flag), f"--{flag}")
     from .adapter import generate_prompts, read_prompts
@@ -405,7 +418,7 @@ def cmd_adapter_train(args) -> None:
 
 
 def cmd_adapter_encode(args) -> None:
-    check_output(args.out, "--out file")
+    check_output(args.out, "--out file", inputs=[args.adapter, args.new])
     _check_input(args.adapter, "--adapter")
     _check_input(args.new, "--new")
     from safetensors.torch import save_file
@@ -436,7 +449,8 @@ def cmd_minisd(args) -> None:
 
 
 def cmd_minisd_train(args) -> None:
-    _check_outputs(args, folders=("out", "cache", "checkpoints"))
+    _check_outputs(args, folders=("cache", "checkpoints"), owned={"out": MODEL_MARKER},
+                   inputs=[args.text_encoder, args.encoders_dir])  # fmt: skip
     from .encoders import load_text_encoder
     from .minisd.train import TrainSettings, train
 
@@ -467,7 +481,7 @@ def _pipeline(args):
 
 
 def cmd_minisd_sample(args) -> None:
-    _check_outputs(args, files=("out",))
+    _check_outputs(args, files=("out",), inputs=[args.model, args.text_encoder])
     from .minisd.evaluate import sample_grid
 
     pipe = _pipeline(args)
@@ -483,7 +497,7 @@ def cmd_minisd_sample(args) -> None:
 
 
 def cmd_minisd_eval(args) -> None:
-    _check_outputs(args, files=("panel",))
+    _check_outputs(args, files=("panel",), inputs=[args.model, args.text_encoder])
     from .minisd.evaluate import SETS, draw_panel, evaluate, format_evaluation
 
     sets = [s for s in args.sets.split(",") if s]
@@ -503,7 +517,7 @@ def cmd_minisd_eval(args) -> None:
 
 
 def cmd_memory(args) -> None:
-    _check_outputs(args, files=("plot",))
+    _check_outputs(args, files=("plot",), inputs=[args.minisd])
     from .memory import format_report, plot, run
 
     with _bar(args, desc="memories scored", unit="mem", unit_scale=True) as bar:
@@ -674,7 +688,9 @@ def build_parser() -> argparse.ArgumentParser:
         _add_json(q)
 
     q = minisd_sub.add_parser("train", help="train a mini SD (the shipped one: the defaults, ~23 min on 2 CPU cores)")
-    q.add_argument("--out", default="weights/minisd", help="save the model folder here")
+    q.add_argument("--out", default="out/minisd",
+                   help="save the model folder here: a new or empty folder, or a mini SD folder, whose model is "
+                        "replaced (other files in it are kept); the shipped model is weights/minisd")  # fmt: skip
     q.add_argument("--steps", type=positive_int, default=1600, help="optimizer steps")
     q.add_argument("--batch-size", type=positive_int, default=32, help="images per step")
     q.add_argument("--lr", type=positive_float, default=1e-3, help="peak learning rate")

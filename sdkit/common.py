@@ -8,6 +8,7 @@ import math
 import os
 import re
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -48,15 +49,35 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _is_special(path: Path) -> bool:
+    """A device, pipe or socket: something to write through, never to replace."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside `path`; rename it onto `path` only if the body succeeds.
 
     A crash half-way leaves the old file (or no file), never a truncated one; a temp file left by
     a killed run is removed by the next write to the same path. The file gets the mode a plain
-    open() would give it under the umask.
+    open() would give it under the umask. A device or a pipe (/dev/stdout, a FIFO) is written
+    through as a stream once the body has succeeded, never replaced by a file.
     """
     path = Path(path)
+    if _is_special(path):
+        with tempfile.TemporaryDirectory(prefix="sdkit-") as folder:
+            tmp = Path(folder) / path.name
+            yield tmp
+            try:
+                with open(tmp, "rb") as source, open(path, "wb") as target:
+                    shutil.copyfileobj(source, target)
+            except OSError as e:  # name the file: a write error on a device says only what went wrong
+                raise OSError(e.errno, e.strerror, str(path)) from None
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temps(path)
     fd, tmp = tempfile.mkstemp(prefix=f"{_temp_prefix(path)}{os.getpid()}-", suffix=".tmp", dir=path.parent)
@@ -71,24 +92,43 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
+def _make_readable(folder: Path) -> None:
+    """Give what a library wrote under `folder` the modes a plain open() would (safetensors' save_file
+    creates its files 0600 whatever the umask)."""
+    mask = _umask()
+    for root, dirs, files in os.walk(folder):
+        os.chmod(root, 0o777 & ~mask)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o666 & ~mask)
+
+
 @contextlib.contextmanager
 def atomic_folder(path: str | os.PathLike) -> Iterator[Path]:
-    """Like atomic_path, for a folder written by someone else's save_pretrained: the body fills a
-    temporary folder, which then replaces `path` (an old folder there is removed only after)."""
+    """Fill a temporary folder beside `path`; if the body succeeds, each entry it wrote replaces the
+    entry of the same name in `path` (each by a rename; the old one is removed only after).
+
+    Entries of `path` that the body did not write are kept: a model folder's findings/, or a
+    user's own files. Folders go in before files, so the file that marks the folder as complete
+    (minisd.json, report.json) arrives last.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temps(path)
     tmp = Path(tempfile.mkdtemp(prefix=f"{_temp_prefix(path)}{os.getpid()}-", suffix=".tmp", dir=path.parent))
     try:
         yield tmp
-        os.chmod(tmp, 0o777 & ~_umask())
-        if path.exists():
-            old = Path(tempfile.mkdtemp(prefix=f"{_temp_prefix(path)}{os.getpid()}-", suffix=".tmp", dir=path.parent))
-            os.replace(path, old / "old")
+        _make_readable(tmp)
+        if not path.exists():
             os.replace(tmp, path)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, path)
+            return
+        old = Path(tempfile.mkdtemp(prefix=f"{_temp_prefix(path)}{os.getpid()}-", suffix=".tmp", dir=path.parent))
+        for entry in sorted(tmp.iterdir(), key=lambda e: (not e.is_dir(), e.name)):
+            target = path / entry.name
+            if target.exists() or target.is_symlink():
+                os.replace(target, old / entry.name)
+            os.replace(entry, target)
+        shutil.rmtree(old)
+        tmp.rmdir()
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -100,12 +140,15 @@ def first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def check_output(path: str | os.PathLike, what: str = "output", folder: bool = False) -> Path:
+def check_output(path: str | os.PathLike, what: str = "output", folder: bool = False, inputs=()) -> Path:
     """Refuse, before any work, an output path that cannot be written: a folder where a file is
-    wanted (or the reverse), a parent that is a file, or a place this user cannot write to.
+    wanted (or the reverse), a parent that is a file, a place this user cannot write to, or a file
+    that is one of the command's `inputs` (a file, or a file that a model folder given as input
+    holds: a command never overwrites what it reads).
 
     Probes by creating (and removing) a file in the nearest folder that exists, which is the only
-    test the kernel does not second-guess (root, read-only mounts, /proc).
+    test the kernel does not second-guess (root, read-only mounts, /proc). A device or a pipe is
+    checked for writing only: it is written through, not replaced.
     """
     path = Path(path)
     if folder and path.exists() and not path.is_dir():
@@ -114,6 +157,13 @@ def check_output(path: str | os.PathLike, what: str = "output", folder: bool = F
         raise SdkitError(f"{path}: {what} must be a file, but a folder is there")
     if not folder and path.exists() and not os.access(path, os.W_OK):
         raise SdkitError(f"{path}: {what} exists and cannot be overwritten (permission denied)")
+    if not folder and path.exists():
+        source = next((i for i in inputs if i and _reads(Path(i), path)), None)
+        if source is not None:
+            raise SdkitError(f"{path}: the {what} would overwrite an input of this command ({source}); "
+                             "choose another path")  # fmt: skip
+    if _is_special(path):
+        return path
     existing = path if folder and path.is_dir() else path.parent
     while not existing.exists():
         existing = existing.parent
@@ -125,6 +175,40 @@ def check_output(path: str | os.PathLike, what: str = "output", folder: bool = F
         os.unlink(probe)
     except OSError as e:
         raise SdkitError(f"{path}: cannot write the {what} in {existing} ({e.strerror or e})") from None
+    return path
+
+
+def _reads(source: Path, path: Path) -> bool:
+    """Whether a command reading `source` (a file, or a model folder) reads the existing file `path`.
+
+    A model folder's files are those at its top and in its component folders (unet/, scheduler/,
+    text_encoder/, ...: the subfolders holding a config); other subfolders (findings/) are not read.
+    """
+    if not source.exists():
+        return False
+    if source.is_file():
+        return os.path.samefile(source, path)
+    try:
+        inside = path.resolve().relative_to(source.resolve())
+    except ValueError:
+        return False
+    if len(inside.parts) == 1:
+        return True
+    component = source.resolve() / inside.parts[0]
+    return len(inside.parts) == 2 and any(component.glob("*config*.json"))
+
+
+def check_output_folder(path: str | os.PathLike, marker: str, what: str = "output folder", inputs=()) -> Path:
+    """Refuse, before any work, an output folder that holds what sdkit did not write: a folder may be
+    new, empty, or one sdkit wrote before (it holds `marker`), whose own entries are then replaced
+    while everything else in it is kept (see atomic_folder)."""
+    path = check_output(path, what, folder=True)
+    for source in inputs:
+        if source and Path(source).exists() and path.exists() and os.path.samefile(source, path):
+            raise SdkitError(f"{path}: the {what} is an input of this command; choose another folder")
+    if path.is_dir() and any(path.iterdir()) and not (path / marker).is_file():
+        raise SdkitError(f"{path}: the {what} is not empty and sdkit did not write it (no {marker} there); "
+                         "choose a new or empty folder")  # fmt: skip
     return path
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from diffusers.models.attention_processor import Attention, AttnProcessor, AttnProcessor2_0
 
-from .common import SdkitError, first_line, format_table, save_png
+from .common import SdkitError, first_line, format_table, save_png, write_json
 from .encoders import ROLES, TextEncoder, TokenRoles, token_roles
 from .geometry import halved
 
@@ -319,6 +319,7 @@ def check_width(unet, conditioning: Conditioning) -> None:
                              f"{width}; an adapter can map one to the other (sdkit adapter)")  # fmt: skip
 
 
+MAPS_FILE = "maps.json"  # written last into a maps folder: it marks the folder as sdkit's
 RUNTIME_BYTES = 64 * 2**20  # thread pools, kernels' workspaces and allocator slack, whatever the size
 
 
@@ -496,6 +497,9 @@ def write_maps(c: Comparison, conditioning: Conditioning, folder, shared_scale: 
         fig.colorbar(shown, ax=ax, fraction=0.046, pad=0.02).ax.tick_params(labelsize=6)
     fig.suptitle(f"Cross-attention per word ({c.unet}, {'shared' if shared_scale else 'own'} colour scale)", fontsize=10)
     paths.append(save_png(fig, folder / "overview.png"))
+    # Last: the list of what was written, which marks the folder as sdkit's maps
+    write_json(folder / MAPS_FILE, {"unet": c.unet, "words": [word for word, _ in named],
+                                    "files": [p.name for p in paths], "shared_scale": shared_scale})  # fmt: skip
     return paths
 
 

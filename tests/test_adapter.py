@@ -186,3 +186,25 @@ def test_cli_adapter(cli, tiny_pair, tmp_path):
     code, _, err = cli("adapter", "train", "--new", new.source, "--old", tiny_pair[1].source,
                        "--corpus", tmp_path / "missing.txt")  # fmt: skip
     assert code == 2 and "missing.txt: no such prompt file" in err
+
+
+def test_repeated_prompts_are_merged_before_the_split(tiny_pair, tmp_path):
+    from sdkit.adapter import distinct_prompts
+
+    new, old = tiny_pair
+    five = [f"a {c} cat on a mat" for c in ("red", "blue", "green", "white", "black")]
+    # Case and spacing are the tokenizers' own normalisation: these read the same tokens.
+    prompts, merged = distinct_prompts(new, old, [p for _ in range(20) for p in five] + ["A  RED cat on a mat"])
+    assert prompts == five and merged == 96
+    report = compare_adapters(new, old, five * 20, ("linear",), TrainConfig(max_epochs=1), progress=False)
+    assert report.prompts == {"train": 3, "val": 1, "test": 1, "duplicates_merged": 95}
+    assert report.methods["lstsq"]["rel_mse"] > 1e-3  # the held-out prompt was never a training prompt
+    assert "95 repeated prompts merged" in format_report(report)
+    with pytest.raises(SdkitError, match="too few"):
+        compare_adapters(new, old, ["one prompt"] * 100, ("linear",), TrainConfig(max_epochs=1), progress=False)
+
+
+def test_the_empty_prompt_always_trains():
+    for seed in range(20):
+        train, val, test = split_by_prompt(30, seed, train_only=[7])
+        assert 7 in train and 7 not in val + test and sorted(train + val + test) == list(range(30))
