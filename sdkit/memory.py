@@ -32,6 +32,7 @@ softmax search at d = 64 reaches millions of memories in a few hundred MB).
 
 from __future__ import annotations
 
+import hashlib
 import math
 import sys
 import time
@@ -117,7 +118,10 @@ class Store:
             if kind == "keys" and self.pool is not None:
                 block = self.pool[index * BLOCK : (index + 1) * BLOCK]
             else:
-                generator = torch.Generator().manual_seed(hash((self.seed, kind, index)) & 0x7FFFFFFF)
+                # A stable hash: Python's hash() of a str changes from process to process, which made
+                # every run draw other keys (the same command gave other capacities).
+                digest = hashlib.sha256(repr((self.seed, kind, index)).encode()).digest()
+                generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
                 block = _unit(torch.randn(BLOCK, self.d, generator=generator))
             self._cache[key] = block
         return self._cache[key]

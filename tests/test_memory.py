@@ -86,3 +86,15 @@ def test_cli_memory_quick(cli, tmp_path):
     assert (tmp_path / "m.png").read_bytes()[:4] == b"\x89PNG"
     assert len(report["sd_levels"]) == 4
     assert report["peak_memory_bytes"] > 50 * 2**20  # torch alone takes more
+
+
+def test_stores_draw_the_same_keys_in_every_process():
+    # The block seeds came from Python's hash() of a tuple with a str, which differs per process
+    # (PYTHONHASHSEED): `sdkit memory` gave other capacities every run.
+    import subprocess
+    import sys
+
+    code = "from sdkit.memory import Store; print(Store(16, seed=3).rows('keys', 0, 5).sum().item())"
+    runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**__import__("os").environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}  # fmt: skip
+    assert len(runs) == 1
