@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 
 from sdkit.audit import audit
 from sdkit.checkpoints import ORIGINAL_UNET_PREFIX, diffusers_to_original_names
-from sdkit.loading import module_index
+from sdkit.tensors import module_index
 from sdkit.presets import build_unet, preset_config
 
 

@@ -225,7 +225,7 @@ def audit(spec, allow_pickle: bool = False, context_dim: int | None = None, imag
 
 def audit_module(unet, source: str = "module", context_dim: int | None = None) -> Audit:
     """Audit a U-Net module (torch.nn.Module) as it is."""
-    from .loading import module_index
+    from .tensors import module_index
 
     index = CheckpointIndex(source, "module", "diffusers", {"unet": module_index(unet)}, config=dict(getattr(unet, "config", {})))
     return audit_index(index, context_dim)

@@ -242,7 +242,7 @@ def index_checkpoint(spec: str | os.PathLike, allow_pickle: bool = False) -> Che
     source = str(spec)
     spec = resolve_local(spec)
     if spec in PRESETS:
-        from .loading import module_index
+        from .tensors import module_index
         from .presets import build_unet
 
         unet = build_unet(preset_config(spec), weights="meta")
@@ -321,7 +321,7 @@ def _index_folder(path: Path, allow_pickle: bool) -> CheckpointIndex:
 
 def _pickle_index(path: Path, allow_pickle: bool) -> dict[str, TensorInfo]:
     """Names, shapes and dtypes of a pickle checkpoint (read whole, behind --allow-pickle; needs torch)."""
-    from .loading import load_pickle, tensor_info
+    from .tensors import load_pickle, tensor_info
 
     return {k: tensor_info(v, str(path)) for k, v in load_pickle(path, allow_pickle).items()}
 

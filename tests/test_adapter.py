@@ -149,7 +149,8 @@ def test_comparison_against_baselines(tiny_pair, tiny_unet, tmp_path):
 
 
 def test_bootstrap_verdict_needs_separated_intervals():
-    from sdkit.adapter import AdapterReport, _aggregate, bootstrap_intervals, compare_methods
+    from sdkit.adapter import AdapterReport, bootstrap_intervals, compare_methods
+    from sdkit.adapter.evaluation import _aggregate
 
     def method(mean_error: float) -> dict:  # 40 held-out prompts, the same noisy per-prompt errors
         noise = torch.rand(40, generator=torch.Generator().manual_seed(0))
@@ -208,3 +209,14 @@ def test_the_empty_prompt_always_trains():
     for seed in range(20):
         train, val, test = split_by_prompt(30, seed, train_only=[7])
         assert 7 in train and 7 not in val + test and sorted(train + val + test) == list(range(30))
+
+
+def test_cli_demo_builds_tiny_encoders_where_no_real_pair_is(cli, tmp_path):
+    code, out, err = cli("adapter", "demo", "--encoders-dir", tmp_path / "encoders", "--out", tmp_path / "adapters",
+                         "--cache", tmp_path / "cache", "--prompts", "60", "--epochs", "1", "--kinds", "linear",
+                         "--unet", "none", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert "tiny CLIP-shaped encoders" in report["encoders"]
+    assert (tmp_path / "encoders" / "tiny-clip-1024" / "text_encoder" / "config.json").is_file()
+    assert (tmp_path / "adapters" / "report.json").is_file() and (tmp_path / "adapters" / "linear").is_dir()

@@ -28,7 +28,8 @@ def tree(folder: Path) -> dict[str, str]:
 
 
 def test_markers_named_in_the_cli_are_the_modules_own():
-    from sdkit import adapter, cli, conditioning
+    from sdkit import adapter, conditioning
+    from sdkit.cli import common as cli
     from sdkit.minisd import pipeline
 
     assert (cli.MODEL_MARKER, cli.ADAPTERS_MARKER, cli.MAPS_MARKER) == \

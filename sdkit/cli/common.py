@@ -1,0 +1,173 @@
+"""What every command shares: the parser class, argument types, output checks, the result as a
+table or JSON, progress bars.
+
+Arguments and output paths are checked before anything heavy is imported, so a mistake costs a
+second, not the start-up of torch and diffusers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+from ..common import SdkitError, check_output, check_output_folder, write_json
+
+PRESET_NAMES = "sd15, sd21, sdxl, tiny, minisd"  # presets.PRESETS, without importing torch to say so
+# The file that marks a folder as one sdkit wrote (minisd.pipeline.SPEC_FILE, adapter.REPORT_FILE,
+# conditioning.MAPS_FILE), named here so that outputs are checked before torch is imported.
+MODEL_MARKER, ADAPTERS_MARKER, MAPS_MARKER = "minisd.json", "report.json", "maps.json"
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except where there is none to show."""
+
+    def _get_help_string(self, action):
+        # Identity, not ==: a default of 0 or 0.0 equals False and is still worth showing.
+        if any(action.default is none for none in (None, False, argparse.SUPPRESS)) or "%(default)" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _Formatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message):  # one line, like every other input error
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+# --- argument types: refuse what would silently become something else ------------------------------
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, not {value}")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = _finite(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, not {text}")
+    return value
+
+
+def nonnegative_float(text: str) -> float:
+    value = _finite(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {text}")
+    return value
+
+
+def _finite(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, not {text}")
+    return value
+
+
+def grid_sides(text: str) -> tuple[int, ...]:
+    try:
+        sides = tuple(int(side) for side in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of grid sides: {text!r} (e.g. 16,32)") from None
+    if any(side <= 0 for side in sides):
+        raise argparse.ArgumentTypeError(f"grid sides must be positive: {text!r}")
+    return sides
+
+
+def latent_size(text: str) -> tuple[int, int]:
+    h, _, w = text.lower().partition("x")
+    try:
+        size = int(h), int(w or h)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a latent size: {text!r} (e.g. 64 or 64x96)") from None
+    if min(size) <= 0:
+        raise argparse.ArgumentTypeError(f"latent sides must be positive: {text!r}")
+    return size
+
+
+# --- output ----------------------------------------------------------------------------------------------
+
+
+def add_json(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print the result as JSON on stdout instead of the table")
+    p.add_argument("--json-out", metavar="FILE", help="also write the result as JSON to FILE (the table still prints)")
+
+
+def show_result(args, data: dict, table: str) -> None:
+    """The table for people, or JSON on stdout with --json; and JSON to --json-out when given."""
+    if args.json_out:
+        write_json(args.json_out, data)
+    if args.json:
+        print(json.dumps(data, indent=2))
+    else:
+        print(table)
+        if args.json_out:
+            print(f"wrote {args.json_out}")
+
+
+def progress_bar(args, **kwargs):
+    """A progress bar on stderr, for people: none with --json or when stderr is not a terminal
+    (logs and pipes get the result, not bar redraws)."""
+    from tqdm import tqdm
+
+    return tqdm(leave=False, disable=True if getattr(args, "json", False) else None, **kwargs)
+
+
+def check_outputs(args, files=(), folders=(), owned: dict | None = None, inputs=()) -> None:
+    """Check every output path the command will write, before it starts working.
+
+    files: flags naming output files; folders: flags naming folders the command adds its own files
+    to (caches, checkpoints); owned: flag -> marker file, for folders the command writes as a whole
+    (a model, adapters, maps): new, empty, or written by sdkit before. inputs: what the command
+    reads, which no output may overwrite."""
+    if getattr(args, "json_out", None):
+        check_output(args.json_out, "--json-out file", inputs=inputs)
+    for flag in files:
+        if getattr(args, flag, None):
+            check_output(getattr(args, flag), f"--{flag.replace('_', '-')} file", inputs=inputs)
+    for flag in folders:
+        if getattr(args, flag, None):
+            check_output(getattr(args, flag), f"--{flag.replace('_', '-')} folder", folder=True)
+    for flag, marker in (owned or {}).items():
+        if getattr(args, flag, None):
+            check_output_folder(getattr(args, flag), marker, f"--{flag.replace('_', '-')} folder", inputs=inputs)
+
+
+def check_input(path: str, what: str) -> None:
+    """A missing input, said before the heavy imports (a hub id is looked up in the cache later)."""
+    from pathlib import Path
+
+    from ..checkpoints import HUB_ID
+
+    if not Path(path).exists() and not HUB_ID.fullmatch(str(path)):
+        raise SdkitError(f"{path}: no such file or folder ({what})")
+
+
+def minisd_spec(unet: str):
+    """The mini SD spec when `unet` is a mini SD folder, else None."""
+    from pathlib import Path
+
+    from ..minisd.pipeline import SPEC_FILE, MiniSDSpec
+
+    return MiniSDSpec.read(unet) if (Path(unet) / SPEC_FILE).is_file() else None

@@ -1,0 +1,152 @@
+"""`sdkit minisd train | sample | eval`: the mini Stable Diffusion trained here (sdkit.minisd)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from ..common import SdkitError
+from .common import (MODEL_MARKER, Parser, add_json, check_input, check_outputs, nonnegative_float, positive_float,
+                     positive_int, progress_bar, show_result)  # fmt: skip
+
+
+def cmd_minisd(args) -> None:
+    if not args.minisd_command:
+        from ..minisd import explanation
+
+        print(explanation(args.model, args.encoders_dir))
+        return
+    args.minisd_func(args)
+
+
+def cmd_minisd_train(args) -> None:
+    check_outputs(args, folders=("cache", "checkpoints"), owned={"out": MODEL_MARKER},
+                   inputs=[args.text_encoder, args.encoders_dir])  # fmt: skip
+    from ..encoders import load_text_encoder
+    from ..minisd.train import TrainSettings, train
+
+    settings = TrainSettings(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+                             image_size=args.image_size, conditioning=args.conditioning,
+                             empty_fraction=args.empty_fraction, pair_fraction=args.pair_fraction,
+                             precision=args.precision, compile=not args.no_compile)  # fmt: skip
+    settings.check()
+    folder = args.text_encoder or os.path.join(args.encoders_dir, "all-MiniLM-L6-v2")
+    check_input(folder, "the text encoder; python scripts/get_real_encoders.py puts it in weights/encoders")
+    encoder = load_text_encoder(folder, allow_pickle=args.allow_pickle)
+    result = train(args.out, encoder, settings, checkpoint_dir=args.checkpoints, checkpoint_every=args.checkpoint_every,
+                   cache_dir=args.cache, progress=not args.json)  # fmt: skip
+    from dataclasses import asdict
+
+    resumed = f", resumed from step {result.resumed_from}" if result.resumed_from else ""
+    last = result.history[-1]["loss"] if result.history else float("nan")
+    table = (f"trained {result.steps} steps{resumed} in {result.seconds:.0f} s ({result.samples_per_second:.1f} "
+             f"samples/s); last loss {last:.4f}\nsaved the EMA weights to {result.folder}")  # fmt: skip
+    show_result(args, asdict(result), table)
+
+
+def _pipeline(args):
+    from ..minisd.pipeline import MiniSDPipeline
+
+    check_input(args.model, "--model")
+    return MiniSDPipeline.from_pretrained(args.model, args.text_encoder, args.encoders_dir, allow_pickle=args.allow_pickle)
+
+
+def cmd_minisd_sample(args) -> None:
+    check_outputs(args, files=("out",), inputs=[args.model, args.text_encoder])
+    from ..minisd.evaluate import sample_grid
+
+    pipe = _pipeline(args)
+    prompts = [p for p in args.prompts for _ in range(args.seeds)]
+    seeds = [args.first_seed + s for _ in args.prompts for s in range(args.seeds)]
+    with progress_bar(args, total=len(prompts), desc="sampling", unit="image") as bar:
+        out = pipe(prompts, seeds, args.guidance, args.steps, args.sampler, progress=bar)
+    title = f"{args.model}: {args.sampler} {args.steps} steps, guidance {args.guidance:g}"
+    sample_grid(out.images, prompts, seeds, args.out, title)
+    show_result(args, {"model": args.model, "prompts": prompts, "seeds": seeds, "guidance_scale": args.guidance,
+                   "steps": args.steps, "sampler": args.sampler, "grid": args.out},
+            f"wrote {len(prompts)} images to {args.out} ({title})")  # fmt: skip
+
+
+def cmd_minisd_eval(args) -> None:
+    check_outputs(args, files=("panel",), inputs=[args.model, args.text_encoder])
+    from ..minisd.evaluate import SETS, draw_panel, evaluate, format_evaluation
+
+    sets = [s for s in args.sets.split(",") if s]
+    unknown = set(sets) - set(SETS)
+    if unknown:
+        raise SdkitError(f"unknown prompt set {sorted(unknown)[0]!r}; choose from {', '.join(SETS)}")
+    pipe = _pipeline(args)
+    images = args.count * len(sets) * (1 if args.no_floors else 3)
+    with progress_bar(args, total=images, desc="generating", unit="image") as bar:
+        ev = evaluate(pipe, sets, args.count, args.guidance, args.steps, args.sampler, floors=not args.no_floors,
+                      model_name=args.model, progress=bar)  # fmt: skip
+    table = format_evaluation(ev)
+    if args.panel:
+        draw_panel(ev, args.panel)
+        table += f"\nwrote {args.panel}"
+    show_result(args, ev.to_json(), table)
+
+
+def register(sub) -> None:
+    p = sub.add_parser("minisd", help="the mini Stable Diffusion trained here: train, sample, judge",
+                       description="A small SD-1.x-shaped U-Net on 32x32 pixels, conditioned on all-MiniLM-L6-v2 "
+                                   "token states, trained on captioned shapes whose masks are known. Without a "
+                                   "subcommand, explains itself.")  # fmt: skip
+    p.set_defaults(func=cmd_minisd)
+    p.add_argument("--model", default="weights/minisd", help=argparse.SUPPRESS)
+    p.add_argument("--encoders-dir", default="weights/encoders", help=argparse.SUPPRESS)
+    minisd_sub = p.add_subparsers(dest="minisd_command", metavar="SUBCOMMAND", parser_class=Parser)
+
+    def encoder_options(q):
+        q.add_argument("--text-encoder", metavar="DIR", help="the text encoder folder (default: the model's, "
+                                                               "from --encoders-dir)")  # fmt: skip
+        q.add_argument("--encoders-dir", default="weights/encoders", help="where the real encoders are")
+        q.add_argument("--allow-pickle", action="store_true", help="read pickle weights (with weights_only=True)")
+
+    def sampling_options(q):
+        q.add_argument("--model", default="weights/minisd", help="a mini SD folder")
+        q.add_argument("--guidance", type=nonnegative_float, default=4.0, help="classifier-free guidance scale")
+        q.add_argument("--steps", type=positive_int, default=25, help="sampling steps")
+        q.add_argument("--sampler", choices=("ddim", "dpm"), default="ddim", help="DDIM or DPM-Solver++")
+        encoder_options(q)
+        add_json(q)
+
+    q = minisd_sub.add_parser("train", help="train a mini SD (the shipped one: the defaults, ~23 min on 2 CPU cores)")
+    q.add_argument("--out", default="out/minisd",
+                   help="save the model folder here: a new or empty folder, or a mini SD folder, whose model is "
+                        "replaced (other files in it are kept); the shipped model is weights/minisd")  # fmt: skip
+    q.add_argument("--steps", type=positive_int, default=1600, help="optimizer steps")
+    q.add_argument("--batch-size", type=positive_int, default=32, help="images per step")
+    q.add_argument("--lr", type=positive_float, default=1e-3, help="peak learning rate")
+    q.add_argument("--seed", type=int, default=0, help="seed of the data stream, noise and initialisation")
+    q.add_argument("--image-size", type=positive_int, default=32, help="image side in pixels (32 or 64)")
+    q.add_argument("--conditioning", choices=("tokens", "pooled"), default="tokens",
+                   help="tokens: every token state; pooled: their mean, one key/value")  # fmt: skip
+    q.add_argument("--empty-fraction", type=nonnegative_float, default=0.1, help="captions dropped for guidance")
+    q.add_argument("--pair-fraction", type=nonnegative_float, default=0.5, help="images with two objects")
+    q.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
+                   help="bf16: bfloat16 autocast on float32 weights; auto: bf16 where the device computes it natively")
+    q.add_argument("--no-compile", action="store_true", help="skip torch.compile (saves its ~1-2 min start; trains slower)")
+    q.add_argument("--checkpoints", metavar="DIR", help="write (and resume from) a checkpoint here")
+    q.add_argument("--checkpoint-every", type=positive_int, default=200, help="steps between checkpoints")
+    q.add_argument("--cache", default="weights/cache", help="where the caption states are cached")
+    encoder_options(q)
+    add_json(q)
+    q.set_defaults(minisd_func=cmd_minisd_train)
+
+    q = minisd_sub.add_parser("sample", help="generate images for prompts, as a PNG grid")
+    q.add_argument("prompts", nargs="+", help="captions, e.g. 'a red circle at the top left'")
+    q.add_argument("--seeds", type=positive_int, default=8, help="images per prompt (seeds first-seed, +1, ...)")
+    q.add_argument("--first-seed", type=int, default=0, help="seed of the first image")
+    q.add_argument("--out", default="minisd-samples.png", help="the PNG grid")
+    sampling_options(q)
+    q.set_defaults(minisd_func=cmd_minisd_sample)
+
+    q = minisd_sub.add_parser("eval", help="judge generated images against their captions, with floors")
+    q.add_argument("--count", type=positive_int, default=64, help="prompts per set")
+    q.add_argument("--sets", default="singles,pairs,held_out_singles,held_out_pairs", help="comma-separated sets")
+    q.add_argument("--no-floors", action="store_true", help="skip the empty-prompt and untrained floors")
+    q.add_argument("--panel", metavar="FILE.png", help="draw samples with the judge's verdicts here")
+    sampling_options(q)
+    q.set_defaults(minisd_func=cmd_minisd_eval)
+
