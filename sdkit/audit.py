@@ -185,11 +185,15 @@ def audit_index(index: CheckpointIndex, context_dim: int | None = None, image_si
     """Count by role. image_size (the side for the per-level grid) defaults to the model's native
     one when its config says it (SD 1.5: 512, SD 2.1: 768, SDXL: 1024), else 512."""
     unet = index.unet
+    for name, info in unet.items():  # the tensors whose sizes are read below must have their rank
+        rank = 4 if name == "conv_in.weight" else 2 if _KEY_VALUE.search(name) else None
+        if rank is not None and len(info.shape) != rank:
+            raise SdkitError(f"{index.source}: {name} has shape {list(info.shape)}, not the {rank}-D weight a U-Net has there")
     config = index.config or {"in_channels": next((i.shape[1] for n, i in unet.items() if n == "conv_in.weight"), 4)}
     factor = image_factor(config)
     image_size = image_size or native_image_size(config) or IMAGE_SIZE
-    if image_size < factor:
-        raise SdkitError(f"image size {image_size} is smaller than one grid cell ({factor} px)")
+    if image_size % factor:  # as scoretable: a latent U-Net sees the image through the VAE's 8-pixel cells
+        raise SdkitError(f"image size {image_size} is not a multiple of {factor} (the pixels of one latent cell)")
     entries = _classify(unet)
     roles = _sum_roles(entries)
     components = {}

@@ -333,7 +333,10 @@ def infer_unet_config(unet: dict[str, TensorInfo]) -> dict:
     time-embedding sizes) comes from the preset with the same structure; an unknown structure gets
     the SD 1.x conventions (8 heads, 32 groups).
     """
-    levels = 1 + max(int(n.split(".")[1]) for n in unet if n.startswith("down_blocks."))
+    blocks = sorted({int(n.split(".")[1]) for n in unet if n.startswith("down_blocks.")})
+    if blocks != list(range(len(blocks))) or len(blocks) > 16:  # a real U-Net numbers its few levels 0, 1, 2, ...
+        raise ValueError(f"down_blocks numbered {blocks[:4]}{'...' if len(blocks) > 4 else ''}, not 0, 1, 2, ...")
+    levels = len(blocks)
     shape = {n[: -len(".weight")]: info.shape for n, info in unet.items() if n.endswith(".weight")}
 
     def has(prefix):

@@ -221,12 +221,19 @@ def write_json(path: str | os.PathLike, data) -> None:
     write_text(path, json.dumps(data, indent=2) + "\n")
 
 
-def save_png(fig, path: str | os.PathLike) -> Path:
-    """Save a matplotlib figure as PNG, atomically, and close it."""
+FIGURE_FORMATS = (".png", ".svg", ".pdf")
+
+
+def save_figure(fig, path: str | os.PathLike) -> Path:
+    """Save a matplotlib figure atomically, as PNG, SVG or PDF by the name's suffix (PNG without
+    one), and close it."""
     import matplotlib.pyplot as plt
 
+    suffix = Path(path).suffix.lower()
+    if suffix and suffix not in FIGURE_FORMATS:
+        raise SdkitError(f"{path}: pictures are written as {', '.join(FIGURE_FORMATS)} (by the name's suffix)")
     with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", bbox_inches="tight")
+        fig.savefig(tmp, format=(suffix or ".png")[1:], bbox_inches="tight")
     plt.close(fig)
     return Path(path)
 
@@ -309,4 +316,6 @@ def parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 8GiB, 512MiB or a number of bytes)") from None
     if not math.isfinite(value) or value > 2**63:
         raise argparse.ArgumentTypeError(f"not a usable size: {text!r} (too large)")
+    if int(value) < 1:
+        raise argparse.ArgumentTypeError(f"a size must be at least one byte, not {text!r}")
     return int(value)

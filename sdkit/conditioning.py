@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from diffusers.models.attention_processor import Attention, AttnProcessor, AttnProcessor2_0
 
-from .common import SdkitError, first_line, format_table, save_png, write_json
+from .common import SdkitError, first_line, format_table, save_figure, write_json
 from .encoders import ROLES, TextEncoder, TokenRoles, token_roles
 from .geometry import halved
 
@@ -485,7 +485,7 @@ def write_maps(c: Comparison, conditioning: Conditioning, folder, shared_scale: 
         ax.set_title(f"{word!r}: {100 * float(c.maps[named[i][1]].sum(0).mean()):.1f} % of attention")
         ax.axis("off")
         fig.colorbar(shown, ax=ax, fraction=0.046)
-        paths.append(save_png(fig, folder / f"{i:02d}_{_file_name(word)}.png"))
+        paths.append(save_figure(fig, folder / f"{i:02d}_{_file_name(word)}.png"))
     cols = min(6, len(images))
     rows = -(-len(images) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(2.2 * cols, 2.4 * rows), dpi=100, squeeze=False)
@@ -496,7 +496,7 @@ def write_maps(c: Comparison, conditioning: Conditioning, folder, shared_scale: 
         ax.set_title(word, fontsize=9)
         fig.colorbar(shown, ax=ax, fraction=0.046, pad=0.02).ax.tick_params(labelsize=6)
     fig.suptitle(f"Cross-attention per word ({c.unet}, {'shared' if shared_scale else 'own'} colour scale)", fontsize=10)
-    paths.append(save_png(fig, folder / "overview.png"))
+    paths.append(save_figure(fig, folder / "overview.png"))
     # Last: the list of what was written, which marks the folder as sdkit's maps
     write_json(folder / MAPS_FILE, {"unet": c.unet, "words": [word for word, _ in named],
                                     "files": [p.name for p in paths], "shared_scale": shared_scale})  # fmt: skip

@@ -53,6 +53,14 @@ class TextEncoder:
         return self.tokenizer(list(prompts), padding=padding, max_length=self.max_length, truncation=True,
                               return_tensors="pt")  # fmt: skip
 
+    def check_length(self, prompts: list[str]) -> None:
+        """Refuse a prompt longer than the positions read: cut silently, it would not say what it says."""
+        lengths = [len(ids) for ids in self.tokenizer(list(prompts))["input_ids"]]
+        for i, length in enumerate(lengths):
+            if length > self.max_length:
+                raise SdkitError(f"prompt {i + 1} ({prompts[i][:40]!r}...) is {length:,} tokens long; this model reads "
+                                 f"{self.max_length} (its special tokens included): shorten it")  # fmt: skip
+
     def real_mask(self, prompts: list[str]) -> torch.Tensor:
         """(batch, max_length) bool: the positions that hold a token (BOS, words, EOS), not padding."""
         return self.tokenize(prompts)["attention_mask"].bool()
@@ -118,7 +126,7 @@ def load_text_encoder(folder: str | os.PathLike, tokenizer_folder: str | os.Path
         model = cls.from_pretrained(model_dir, local_files_only=True,
                                     use_safetensors=None if allow_pickle else True).to(device).eval()  # fmt: skip
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-    except (OSError, ValueError, KeyError, RuntimeError) as e:
+    except Exception as e:  # transformers raises many types (a pickle weights_only refuses among them): all mean that
         raise SdkitError(f"{folder}: cannot load the text encoder ({str(e).strip().splitlines()[0]})") from None
     return TextEncoder(tokenizer, model, layer, str(folder), context_length)
 

@@ -48,6 +48,7 @@ def load_unet(
             raise SdkitError(f"{unet_dir}: cannot load the U-Net ({first_line(e)})") from None
         if any(p.is_meta for p in unet.parameters()):
             raise SdkitError(f"{unet_dir}: the weights do not hold every U-Net tensor")
+        _check_finite(unet, str(unet_dir))
         return _aligned(unet).eval()
     tensors, index = _read_unet_tensors(path, allow_pickle)
     if config is None:
@@ -71,7 +72,15 @@ def load_unet(
             tensors[name] = tensor.float()
     unet.load_state_dict(tensors, strict=True, assign=True)
     del tensors
+    _check_finite(unet, str(path))
     return _aligned(unet).eval()
+
+
+def _check_finite(unet: UNet2DConditionModel, source: str) -> None:
+    """Weights holding NaN or infinity make every output NaN: refuse them rather than report NaN tables."""
+    bad = [name for name, tensor in unet.state_dict().items() if tensor.is_floating_point() and not tensor.isfinite().all()]
+    if bad:
+        raise SdkitError(f"{source}: {len(bad)} U-Net tensors hold NaN or infinite values (e.g. {bad[0]!r})")
 
 
 # Far past any real U-Net; a config beyond them would take hours to build, not fail.

@@ -288,7 +288,7 @@ def draw_examples(r: Localization, path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .common import save_png
+    from .common import save_figure
 
     shown = r.examples[:8]
     fig, axes = plt.subplots(2, len(shown), figsize=(2.5 * len(shown), 4.8), dpi=110, squeeze=False)
@@ -303,5 +303,5 @@ def draw_examples(r: Localization, path) -> bool:
             ax.axis("off")
     fig.suptitle(f"{r.model}: word attention maps (all layers) on {r.images} images; outline = the named "
                  "object's mask", fontsize=8)  # fmt: skip
-    save_png(fig, path)
+    save_figure(fig, path)
     return True

@@ -389,14 +389,11 @@ def encoder_keys(encoder, prompts: list[str], batch: int = 128) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def minisd_keys(model_dir, encoder, prompts: list[str], layer: str = "mid_block.attentions.0.transformer_blocks.0.attn2",
+def minisd_keys(pipe, prompts: list[str], layer: str = "mid_block.attentions.0.transformer_blocks.0.attn2",
                 head: int = 0) -> tuple[torch.Tensor, str]:  # fmt: skip
-    """One head's cross-attention keys (to_k of the token states) of a trained mini SD."""
-    from .loading import load_unet
-
-    unet = load_unet(model_dir)
-    attention = unet.get_submodule(layer)
-    states = encoder_keys(encoder, prompts)
+    """One head's cross-attention keys (to_k of its own encoder's token states) of a trained mini SD."""
+    attention = pipe.unet.get_submodule(layer)
+    states = encoder_keys(pipe.encoder, prompts)
     with torch.no_grad():
         keys = attention.to_k(states)
     head_dim = keys.shape[1] // attention.heads
@@ -409,12 +406,18 @@ def run(quick: bool = False, encoders_dir="weights/encoders", minisd_dir="weight
     from pathlib import Path
 
     start = time.perf_counter()
+    encoder_dir = Path(encoders_dir) / "all-MiniLM-L6-v2"
+    real = not quick and (encoder_dir / "config.json").is_file()
+    pipe = None
+    if real and (Path(minisd_dir) / "minisd.json").is_file():  # loaded first: a model that cannot run is said now
+        from .minisd.pipeline import MiniSDPipeline
+
+        pipe = MiniSDPipeline.from_pretrained(minisd_dir, encoders_dir=encoders_dir)
     torch.manual_seed(0)
     capacities, curves = random_key_search(DIMENSIONS if not quick else (16, 32), quick=quick, progress=progress)
     report = MemoryReport(capacities, curves, quick=quick)
     report.long_context = long_context(quick=quick, progress=progress)
-    encoder_dir = Path(encoders_dir) / "all-MiniLM-L6-v2"
-    if not quick and (encoder_dir / "config.json").is_file():
+    if real:
         from .adapter import generate_prompts
         from .encoders import load_text_encoder
         from .minisd.data import all_captions
@@ -425,10 +428,11 @@ def run(quick: bool = False, encoders_dir="weights/encoders", minisd_dir="weight
         grid = memory_grid(8, min(len(keys), 32768), per_octave=2)
         report.real_keys += real_key_capacity("MiniLM states", keys, grid, progress,
                                               source="all-MiniLM-L6-v2 token states (last layer)")
-        if (Path(minisd_dir) / "minisd.json").is_file():
-            head_keys, where = minisd_keys(minisd_dir, encoder, prompts)
+        if pipe is not None:
+            head_keys, where = minisd_keys(pipe, prompts)
             report.real_keys += real_key_capacity("mini SD keys", head_keys, grid, progress,
-                                                  source=f"the trained mini SD's {where} keys (to_k of MiniLM states)")
+                                                  source=f"the trained mini SD's {where} keys (to_k of "
+                                                         f"{pipe.spec.text_encoder} states)")  # fmt: skip
     report.sd_levels = sd_levels()
     report.seconds = time.perf_counter() - start
     report.peak_memory_bytes = peak_resident_bytes()
@@ -494,7 +498,7 @@ def plot(r: MemoryReport, path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .common import save_png
+    from .common import save_figure
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8), dpi=110)
     d = 64 if any(c.d == 64 for c in r.curves) else r.curves[0].d
@@ -519,5 +523,5 @@ def plot(r: MemoryReport, path) -> None:
     for ax in (left, right):
         ax.grid(True, which="both", alpha=0.2)
         ax.legend(fontsize=7)
-    save_png(fig, path)
+    save_figure(fig, path)
 

@@ -70,6 +70,29 @@ def _depth(value, limit: int) -> int:
     return 1 + max((_depth(child, limit - 1) for child in children), default=0)
 
 
+def _strings(value):
+    """Every string in a JSON value: keys and values, at any depth."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, child in value.items():
+            yield key
+            yield from _strings(child)
+    elif isinstance(value, list):
+        for child in value:
+            yield from _strings(child)
+
+
+def _unicode(text: str) -> bool:
+    """Whether a string is Unicode text: JSON's \\ud800 escape gives Python a lone surrogate, which
+    serde_json (and so safetensors) refuses."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def parse_header(raw: bytes, data_bytes: int, source: str = "file") -> dict[str, TensorInfo]:
     """Validate a header (the JSON bytes) for a data buffer of `data_bytes`; tensors by name."""
     corrupt = f"{source}: corrupt safetensors header"
@@ -85,6 +108,8 @@ def parse_header(raw: bytes, data_bytes: int, source: str = "file") -> dict[str,
         raise SdkitError(f"{corrupt} (not a JSON object)")
     if _depth(header, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
         raise SdkitError(f"{corrupt} (JSON nested more than {MAX_JSON_DEPTH} levels deep)")
+    if not all(_unicode(text) for text in _strings(header)):
+        raise SdkitError(f"{corrupt} (a string escapes a lone surrogate, which is not Unicode text)")
     metadata = header.pop("__metadata__", None)
     if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
         raise SdkitError(f"{corrupt} (__metadata__ must map names to strings)")

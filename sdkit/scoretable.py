@@ -470,7 +470,7 @@ def plot(tables: ScoreTables, measurements: list[Measurement], path: str | os.Pa
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .common import save_png
+    from .common import save_figure
 
     tokens = [2**e for e in range(8, 19)]
     fig, ax = plt.subplots(figsize=(7, 5), dpi=120)
@@ -500,4 +500,4 @@ def plot(tables: ScoreTables, measurements: list[Measurement], path: str | os.Pa
     ax.set_title(f"Self-attention memory against tokens ({tables.height}x{tables.width} image)")
     ax.legend(fontsize=7)
     ax.grid(True, which="both", alpha=0.2)
-    save_png(fig, path)
+    save_figure(fig, path)

@@ -32,8 +32,10 @@ def test_markers_named_in_the_cli_are_the_modules_own():
     from sdkit.cli import common as cli
     from sdkit.minisd import pipeline
 
-    assert (cli.MODEL_MARKER, cli.ADAPTERS_MARKER, cli.MAPS_MARKER) == \
-        (pipeline.SPEC_FILE, adapter.REPORT_FILE, conditioning.MAPS_FILE)  # fmt: skip
+    from sdkit.encoders import LAYERS
+
+    assert (cli.MODEL_MARKER, cli.ADAPTERS_MARKER, cli.MAPS_MARKER, cli.LAYERS, cli.ADAPTER_KINDS) == \
+        (pipeline.SPEC_FILE, adapter.REPORT_FILE, conditioning.MAPS_FILE, LAYERS, adapter.KINDS)  # fmt: skip
 
 
 def test_minisd_train_never_writes_the_shipped_model_by_default():

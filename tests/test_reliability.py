@@ -116,8 +116,12 @@ def test_3_non_positive_sizes_are_refused(cli, argv):
     one_line(*cli(*argv)[::2])
 
 
-def test_3_an_image_smaller_than_a_latent_cell_is_refused(cli):
-    assert "smaller than one grid cell" in one_line(*cli("audit", "sd15", "--image-size", "7")[::2])
+def test_3_an_image_that_is_not_whole_latent_cells_is_refused(cli):
+    for size in ("7", "9", "513"):  # as scoretable refuses them
+        assert "not a multiple of 8" in one_line(*cli("audit", "sd15", "--image-size", size)[::2])
+    assert "multiples of 8" in one_line(*cli("scoretable", "--size", "513")[::2])
+    code, out, err = cli("audit", "minisd", "--image-size", "9", "--json")  # pixel space: any whole size
+    assert code == 0, err
 
 
 # --- 4. condition predicts its memory first ----------------------------------------------------------
@@ -352,7 +356,7 @@ def _mutate(raw_header: bytes, data: bytes, rng: random.Random) -> tuple[bytes, 
     names = [n for n in header if n != "__metadata__"]
     name = rng.choice(names)
     entry = header[name]
-    kind = rng.randrange(16)
+    kind = rng.randrange(17)
     length = None
     if kind == 0:
         length = struct.pack("<Q", rng.choice([0, 1, len(raw_header) - 1, len(raw_header) + 1, 2**40, 2**63]))
@@ -380,6 +384,12 @@ def _mutate(raw_header: bytes, data: bytes, rng: random.Random) -> tuple[bytes, 
         entry["shape"] = [math_prod(entry["shape"])] if entry["shape"] else [1]
     elif kind == 11:
         header.pop(name)  # a gap in the data
+    elif kind == 16:  # string escapes: lone surrogates (not Unicode), pairs, NUL, non-ASCII, in names and metadata
+        odd = rng.choice(["\ud800", "a\udc00b", "\ud83d\ude00", "x\u0000y", "\u00e9", "\\", "\udbff\udfff"])
+        if rng.random() < 0.5:
+            header[name + odd] = header.pop(name)
+        else:
+            header["__metadata__"] = {"note" + odd: odd}
     text = json.dumps(header).encode()
     if kind == 12:  # byte-level damage to the JSON text
         position = rng.randrange(len(text))
@@ -543,3 +553,22 @@ def test_hub_ids_resolve_from_the_local_cache(cli, micro, tmp_path, monkeypatch)
     assert load_unet("someone/tiny-sd").num_parameters() == unet.num_parameters()
     line = one_line(*cli("audit", "someone/not-here")[::2])
     assert "not in the local Hugging Face cache" in line and str(cache) in line
+
+
+def test_16_6_a_lone_surrogate_is_refused_as_safetensors_refuses_it(cli, micro, tmp_path):
+    root, _ = micro
+    blob = (root / "diffusers.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8 : 8 + n])
+    name = next(k for k in header if k.startswith("conv_in"))
+    for odd, accepted in (("\ud800", False), ("\ud83d\ude00", True)):  # lone surrogate; a proper pair
+        changed = dict(header)
+        changed[name + odd] = changed.pop(name)
+        text = json.dumps(changed).encode()
+        path = tmp_path / f"s{accepted}.safetensors"
+        path.write_bytes(struct.pack("<Q", len(text)) + text + blob[8 + n :])
+        assert _safetensors_accepts(path) is accepted
+        code, out, err = cli("audit", path, "--json")
+        assert (code == 0) is accepted, err
+        if not accepted:
+            assert "surrogate" in one_line(code, err)

@@ -4,6 +4,8 @@ the U-Net's noise prediction, the whole comparison (`compare_adapters`) and its 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -13,10 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from ..common import SdkitError, atomic_folder, format_table, write_json
-from ..encoders import TextEncoder
-from .model import TextEncoderAdapter
+from ..encoders import TextEncoder, encoder_fingerprint
+from .model import KINDS, TextEncoderAdapter
 from .prompts import ROLE_CODES, EncodedPrompts, distinct_prompts, encode_prompts
-from .training import TrainConfig, fit_lstsq, split_by_prompt, train_adapter
+from .training import TrainConfig, check_checkpoint, fit_lstsq, preflight_adapter, split_by_prompt, train_adapter
 
 METHODS = ("width_only", "mean", "lstsq", "linear", "mlp", "mixer")
 REPORT_FILE = "report.json"  # written last into --out: it marks the folder as sdkit's
@@ -164,9 +166,23 @@ def compare_adapters(new: TextEncoder, old: TextEncoder, prompts: list[str], kin
     if unet is not None and unet.config.cross_attention_dim != old.width:
         raise SdkitError(f"the U-Net reads {unet.config.cross_attention_dim}-wide states but the old encoder gives "
                          f"{old.width}; choose a U-Net made for the old encoder")  # fmt: skip
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown:
+        raise SdkitError(f"unknown adapter kind {unknown[0]!r}; choose from {', '.join(KINDS)}")
     prompts, merged = distinct_prompts(new, old, prompts)
     train_idx, val_idx, test_idx = split_by_prompt(len(prompts), seed, train_only=[i for i, p in enumerate(prompts)
                                                                                     if not p.strip()])  # fmt: skip
+    # Everything that decides the training data, so a checkpoint of other data is refused now, not
+    # after minutes of encoding.
+    data_key = hashlib.sha256(json.dumps([encoder_fingerprint(new), encoder_fingerprint(old), prompts, train_idx,
+                                          val_idx], sort_keys=True, default=str).encode()).hexdigest()  # fmt: skip
+    runs = {kind: TrainConfig(**{**asdict(config), "kind": kind}) for kind in kinds}
+    checkpoints = {kind: Path(checkpoint_dir) / f"{kind}.checkpoint.safetensors" if checkpoint_dir else None
+                   for kind in kinds}  # fmt: skip
+    for kind, run in runs.items():
+        preflight_adapter(run, new.width, old.width)
+        if checkpoints[kind]:
+            check_checkpoint(checkpoints[kind], run, data_key)
     start = time.perf_counter()
     data, from_cache = encode_prompts(new, old, prompts, cache_dir, progress=progress)
     encode_seconds = time.perf_counter() - start
@@ -183,13 +199,12 @@ def compare_adapters(new: TextEncoder, old: TextEncoder, prompts: list[str], kin
     start = time.perf_counter()
     adapters["lstsq"] = fit_lstsq(x_train, y_train)
     report.timings["lstsq_seconds"] = time.perf_counter() - start
-    for kind in kinds:
-        run = TrainConfig(**{**asdict(config), "kind": kind})
-        checkpoint = Path(checkpoint_dir) / f"{kind}.checkpoint.safetensors" if checkpoint_dir else None
+    for kind, run in runs.items():
         start = time.perf_counter()
         data_train, data_val = ((train.sequences(), val.sequences()) if kind == "mixer" else
                                 ((x_train, y_train), val.tokens()))  # fmt: skip
-        adapters[kind], report.histories[kind] = train_adapter(data_train, data_val, run, checkpoint, progress)
+        adapters[kind], report.histories[kind] = train_adapter(data_train, data_val, run, checkpoints[kind], progress,
+                                                               data_key=data_key)  # fmt: skip
         report.timings[f"{kind}_seconds"] = time.perf_counter() - start
         report.timings[f"{kind}_epochs"] = len(report.histories[kind]) - 1
     report.adapters = adapters

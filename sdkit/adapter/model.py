@@ -151,7 +151,7 @@ def load_adapter(folder: str | os.PathLike) -> TextEncoderAdapter:
                          "only; a .bin would be a pickle)")  # fmt: skip
     try:
         return TextEncoderAdapter.from_pretrained(folder, use_safetensors=True).eval()
-    except (OSError, ValueError, RuntimeError) as e:
+    except Exception as e:  # diffusers raises many types for a folder it cannot load: all mean that
         raise SdkitError(f"{folder}: cannot load the adapter ({str(e).strip().splitlines()[0]})") from None
 
 

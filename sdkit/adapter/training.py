@@ -72,12 +72,28 @@ class TrainConfig:
     seed: int = 0
 
 
+def preflight_adapter(config: TrainConfig, in_dim: int, out_dim: int) -> None:
+    """Refuse, before any work, an adapter whose training would not fit in memory: each parameter
+    holds itself, its gradient, AdamW's two moments and the best weights (five float32 copies)."""
+    from accelerate import init_empty_weights
+
+    from ..common import available_memory, format_bytes
+
+    with init_empty_weights(include_buffers=True):
+        shape = TextEncoderAdapter(config.kind, in_dim, out_dim, config.hidden_dim, config.standardize)
+    need = 4 * (5 * sum(p.numel() for p in shape.parameters()) + sum(b.numel() for b in shape.buffers()))
+    if need > available_memory():
+        raise SdkitError(f"a {config.kind} adapter {in_dim} -> {out_dim} with hidden width {config.hidden_dim} needs "
+                         f"about {format_bytes(need)} to train; {format_bytes(available_memory())} is free")  # fmt: skip
+
+
 class Interrupted(Exception):
     """Raised by the stop_after hook of train_adapter, to simulate a run killed after a checkpoint."""
 
 
 def train_adapter(train: tuple, val: tuple, config: TrainConfig, checkpoint: str | os.PathLike | None = None,
-                  progress: bool = True, stop_after: int | None = None) -> tuple[TextEncoderAdapter, list[dict]]:  # fmt: skip
+                  progress: bool = True, stop_after: int | None = None,
+                  data_key: str = "") -> tuple[TextEncoderAdapter, list[dict]]:  # fmt: skip
     """Train an adapter with accelerate; returns (best adapter, history).
 
     train and val are (new, old) token pairs, (tokens, width) each; for the mixer, which reads
@@ -86,7 +102,9 @@ def train_adapter(train: tuple, val: tuple, config: TrainConfig, checkpoint: str
     cosine term), AdamW, early stopping on the validation relative MSE. After every epoch a
     checkpoint (model, optimizer, best weights, history) is written atomically; a run that finds
     its checkpoint resumes from it, with the same data order (accelerate's seedable sampler,
-    seeded per epoch), so it ends where an uninterrupted run would.
+    seeded per epoch), so it ends where an uninterrupted run would. `data_key` names the data (its
+    prompts and encoders) in the checkpoint, so that `check_checkpoint` can refuse a checkpoint of
+    other data before the data is encoded.
     """
     from accelerate import Accelerator, DataLoaderConfiguration
     from torch.utils.data import DataLoader, TensorDataset
@@ -167,7 +185,7 @@ def train_adapter(train: tuple, val: tuple, config: TrainConfig, checkpoint: str
         else:
             state["bad_epochs"] += 1
         if checkpoint and accelerator.is_main_process:
-            _save_checkpoint(checkpoint, raw, optimizer, best_weights, state, config, fingerprint)
+            _save_checkpoint(checkpoint, raw, optimizer, best_weights, state, config, fingerprint, data_key)
         bar.update(1)
         bar.set_postfix(val_rel_mse=f"{val_rel:.4f}")
         if stop_after is not None and state["epoch"] >= stop_after:
@@ -186,7 +204,7 @@ def _run_fingerprint(config: TrainConfig, train, val) -> str:
     return digest.hexdigest()
 
 
-def _save_checkpoint(path, model, optimizer, best_weights, state, config, fingerprint: str) -> None:
+def _save_checkpoint(path, model, optimizer, best_weights, state, config, fingerprint: str, data_key: str) -> None:
     from safetensors.torch import save_file
 
     tensors = {f"model.{k}": v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
@@ -196,7 +214,7 @@ def _save_checkpoint(path, model, optimizer, best_weights, state, config, finger
         for name, value in param_state.items():
             tensors[f"optimizer.{index}.{name}"] = torch.as_tensor(value).detach().cpu().contiguous()
     metadata = {"state": json.dumps(state), "param_groups": json.dumps(opt["param_groups"]),
-                "config": json.dumps(asdict(config)), "fingerprint": fingerprint}  # fmt: skip
+                "config": json.dumps(asdict(config)), "fingerprint": fingerprint, "data_key": data_key}  # fmt: skip
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata=metadata)
 
@@ -211,10 +229,7 @@ def _load_checkpoint(path, model, optimizer, config: TrainConfig, fingerprint: s
         saved = json.loads(metadata["config"])
     except Exception as e:  # a checkpoint from elsewhere, or damaged: say which file
         raise SdkitError(f"{path}: cannot resume from this checkpoint ({e}); delete it to start over") from None
-    if saved != asdict(config):
-        changed = sorted(k for k in saved if saved[k] != asdict(config).get(k))
-        raise SdkitError(f"{path}: this checkpoint was trained with other settings ({', '.join(changed)}); "
-                         "delete it or choose another checkpoint folder")  # fmt: skip
+    _refuse_other_settings(path, saved, config)
     if metadata.get("fingerprint") != fingerprint:
         raise SdkitError(f"{path}: this checkpoint was trained on other data (other encoders, layers, prompts or "
                          "split); delete it or choose another checkpoint folder")  # fmt: skip
@@ -230,3 +245,29 @@ def _load_checkpoint(path, model, optimizer, config: TrainConfig, fingerprint: s
             opt_state.setdefault(int(index), {})[name] = v
     optimizer.load_state_dict({"state": opt_state, "param_groups": json.loads(metadata["param_groups"])})
     return json.loads(metadata["state"]), best
+
+
+def _refuse_other_settings(path, saved: dict, config: TrainConfig) -> None:
+    if saved != asdict(config):
+        changed = sorted(k for k in saved if saved[k] != asdict(config).get(k))
+        raise SdkitError(f"{path}: this checkpoint was trained with other settings ({', '.join(changed)}); "
+                         "delete it or choose another checkpoint folder")  # fmt: skip
+
+
+def check_checkpoint(path: str | os.PathLike, config: TrainConfig, data_key: str) -> None:
+    """Refuse, from its metadata alone and before any data is encoded, a checkpoint written for other
+    settings or other data; nothing to check when there is no checkpoint yet."""
+    from safetensors import safe_open
+
+    if not Path(path).is_file():
+        return
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+        saved = json.loads(metadata["config"])
+    except Exception as e:  # a checkpoint from elsewhere, or damaged: say which file
+        raise SdkitError(f"{path}: cannot resume from this checkpoint ({e}); delete it to start over") from None
+    _refuse_other_settings(path, saved, config)
+    if metadata.get("data_key") != data_key:
+        raise SdkitError(f"{path}: this checkpoint was trained on other data (other encoders, layers, prompts or "
+                         "split); delete it or choose another checkpoint folder")  # fmt: skip

@@ -13,72 +13,92 @@ declares its flags next to the function that runs it, and calls library function
 
 from __future__ import annotations
 
-import logging
 import os
+import signal
 import sys
-import warnings
 
-from ..common import SdkitError
-from . import adapter, audit, condition, memory, minisd, scoretable
-from .common import Parser
-
-COMMANDS = (audit, scoretable, condition, adapter, minisd, memory)
+COMMANDS = ("audit", "scoretable", "condition", "adapter", "minisd", "memory")
 
 
-def build_parser() -> Parser:
+def build_parser():
+    """The `sdkit` parser: the top level lists the commands; each command module adds its own."""
+    import importlib
+
+    from .common import Parser
+
     parser = Parser(prog="sdkit", description="Look inside the cross-attention of Stable "
                                     "Diffusion 1.x U-Nets (and SD 2.x / SDXL). Offline; see README.md.")  # fmt: skip
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
-    for command in COMMANDS:
-        command.register(sub)
+    for name in COMMANDS:
+        importlib.import_module(f".{name}", __name__).register(sub)
     return parser
 
 
+def quiet_libraries() -> None:
+    """Library chatter (deprecations, info logs, load bars, font warnings) is not the user's problem;
+    their errors reach the user as our one line, and their own log lines would be a second."""
+    import logging
+    import warnings
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", module=r"(diffusers|transformers|torch|accelerate|huggingface_hub|matplotlib)(\.|$)")
+    for name in ("diffusers", "transformers", "accelerate", "huggingface_hub", "torch", "matplotlib"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one `sdkit` command; the exit code: 0, 2 for bad input (one line on stderr), 130 for Ctrl-C."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' per-load bars; ours stay
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     name = "sdkit"
     try:
-        parser = build_parser()
-        args = parser.parse_args(argv)
-        if not getattr(args, "func", None):
-            parser.print_help()
+        from ..common import SdkitError
+
+        try:
+            from .common import given_options
+
+            quiet_libraries()
+            parser = build_parser()
+            argv = sys.argv[1:] if argv is None else argv
+            args = parser.parse_args(argv)
+            if not getattr(args, "func", None):
+                parser.print_help()
+                return 0
+            args.given = given_options(parser, argv)
+            name = f"sdkit {args.command}"
+            args.func(args)
+        except SdkitError as e:
+            print(f"{name}: error: {e}", file=sys.stderr)
+            return 2
+        except BrokenPipeError:  # `sdkit ... | head`: the reader left; say nothing more
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 0
-        name = f"sdkit {args.command}"
-        # Library chatter (deprecations, diffusers' info logs) is not the user's problem.
-        warnings.filterwarnings("ignore", category=FutureWarning)
-        warnings.filterwarnings("ignore", module=r"(diffusers|transformers|torch|accelerate|huggingface_hub)(\.|$)")
-        # Their errors reach the user as our one line; their own log lines would be a second.
-        logging.getLogger("diffusers").setLevel(logging.CRITICAL)
-        logging.getLogger("transformers").setLevel(logging.CRITICAL)
-        args.func(args)
-    except SdkitError as e:
-        print(f"{name}: error: {e}", file=sys.stderr)
-        return 2
+        except OSError as e:  # the machine said no: permissions, a full disk, a vanished file
+            where = f"{e.filename}: " if e.filename else ""
+            print(f"{name}: error: {where}{e.strerror or e}", file=sys.stderr)
+            return 2
     except KeyboardInterrupt:
         print(f"{name}: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # `sdkit ... | head`: the reader left; say nothing more
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
-    except OSError as e:  # the machine said no: permissions, a full disk, a vanished file
-        where = f"{e.filename}: " if e.filename else ""
-        print(f"{name}: error: {where}{e.strerror or e}", file=sys.stderr)
-        return 2
     return 0
 
 
 def run() -> None:
     """The `sdkit` command's entry point: main(), and its exit code as the process's.
 
-    After Ctrl-C the process leaves at once with 130: shutting the interpreter down after an
-    interrupted import (torch, say) can otherwise end it by SIGINT after all (exit status -2).
+    Everything past the first few imports runs inside main's handler, so Ctrl-C at any moment
+    of the work gives one line and 130. Once main has answered, Ctrl-C is ignored: shutting the
+    interpreter down (after an interrupted import of torch, say) could otherwise end the process
+    by SIGINT after all (exit status -2), or print a traceback from a finaliser.
     """
     code = main()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.stdout.flush()
+    sys.stderr.flush()
     if code == 130:
-        sys.stdout.flush()
-        sys.stderr.flush()
         os._exit(130)
     sys.exit(code)
 

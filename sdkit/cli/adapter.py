@@ -7,8 +7,12 @@ import json
 import sys
 
 from ..common import SdkitError, check_output
-from .common import (ADAPTERS_MARKER, Parser, add_json, check_input, check_outputs, minisd_spec, nonnegative_float,
-                     nonnegative_int, positive_float, positive_int, progress_bar, show_result)  # fmt: skip
+from .common import (ADAPTER_KINDS, ADAPTERS_MARKER, LAYERS, Parser, adapter_kinds, at_most, add_json, check_input, check_outputs, minisd_spec,
+                     nonnegative_float, nonnegative_int, positive_float, positive_int, progress_bar, seed,
+                     show_result)  # fmt: skip
+
+
+MAX_PROMPTS = 200_000  # drawn prompts: past this, only repeats (which are merged) and hours of encoding
 
 
 def cmd_adapter(args) -> None:
@@ -39,7 +43,7 @@ def _run_comparison(args, new_dir, old_dir, prompts, note: str | None = None) ->
     new = load_text_encoder(new_dir, layer=args.new_layer, allow_pickle=args.allow_pickle, **length)
     old = load_text_encoder(old_dir, layer=args.old_layer, allow_pickle=args.allow_pickle, **length)
     unet = load_unet(args.unet, allow_pickle=args.allow_pickle) if args.unet != "none" else None
-    kinds = [k for k in args.kinds.split(",") if k]
+    kinds = args.kinds
     if spec:
         unet_name = f"{args.unet} (trained mini SD)"
     elif args.unet in PRESETS:
@@ -130,11 +134,12 @@ def register(sub) -> None:
     adapter_sub = p.add_subparsers(dest="adapter_command", metavar="SUBCOMMAND", parser_class=Parser)
 
     def training_options(q, default_out):
-        q.add_argument("--kinds", default="linear,mlp", help="adapters to train")
+        q.add_argument("--kinds", type=adapter_kinds, default="linear,mlp",
+                       help=f"adapters to train, comma-separated from {', '.join(ADAPTER_KINDS)} (lstsq always fits)")
         q.add_argument("--unet", default="tiny", help="frozen U-Net for the noise-prediction check (preset, folder, "
                                                       "file, or none)")  # fmt: skip
-        q.add_argument("--new-layer", default="last", help="layer read from the new encoder (last or penultimate)")
-        q.add_argument("--old-layer", default="last", help="layer the U-Net was trained on (SD 1.x: last)")
+        q.add_argument("--new-layer", choices=LAYERS, default="last", help="layer read from the new encoder")
+        q.add_argument("--old-layer", choices=LAYERS, default="last", help="layer the U-Net was trained on (SD 1.x: last)")
         q.add_argument("--epochs", type=positive_int, default=24, help="most training epochs")
         q.add_argument("--patience", type=positive_int, default=8, help="early stopping: epochs without improvement")
         q.add_argument("--lr", type=positive_float, default=2e-3, help="peak learning rate")
@@ -142,7 +147,7 @@ def register(sub) -> None:
         q.add_argument("--hidden-dim", type=positive_int, help="mlp hidden width (default: the old encoder's width)")
         q.add_argument("--cosine-weight", type=nonnegative_float, default=0.0,
                        help="add w * (1 - cosine) to the per-token MSE")  # fmt: skip
-        q.add_argument("--seed", type=int, default=0, help="seed of the split, initialisation and data order")
+        q.add_argument("--seed", type=seed, default=0, help="seed of the split, initialisation and data order")
         q.add_argument("--cache", default="weights/cache", help="where encoded states are cached")
         q.add_argument("--checkpoints", help="write (and resume from) training checkpoints here")
         q.add_argument("--out", default=default_out, help="save the adapters and report.json here")
@@ -153,7 +158,8 @@ def register(sub) -> None:
         add_json(q)
 
     q = adapter_sub.add_parser("demo", help="the whole comparison on the best encoders available here (minutes)")
-    q.add_argument("--prompts", type=positive_int, default=300, help="generated prompts")
+    q.add_argument("--prompts", type=at_most(MAX_PROMPTS, "generated prompts repeat long before that"), default=300,
+                   help="generated prompts")
     q.add_argument("--full", action="store_true", help="the benchmark-sized run: 2,400 prompts, 24 epochs")
     q.add_argument("--encoders-dir", default="weights/encoders", help="where to look for (or build) encoders")
     training_options(q, "weights/adapters/demo")
@@ -163,8 +169,10 @@ def register(sub) -> None:
     q.add_argument("--new", required=True, metavar="DIR", help="the new text encoder (transformers folder)")
     q.add_argument("--old", required=True, metavar="DIR", help="the encoder the U-Net was trained with")
     q.add_argument("--corpus", metavar="FILE", help="prompts, one per line (default: generated prompts)")
-    q.add_argument("--generate", type=positive_int, default=2000, help="how many prompts to generate without --corpus")
-    q.add_argument("--captions", type=positive_int, metavar="N",
+    q.add_argument("--generate", type=at_most(MAX_PROMPTS, "generated prompts repeat long before that"), default=2000,
+                   help="how many prompts to generate without --corpus")
+    q.add_argument("--captions", type=at_most(MAX_PROMPTS, "the mini SD has a few thousand distinct captions"),
+                   metavar="N",
                    help="train on N of the mini SD's training captions instead of generic prompts")  # fmt: skip
     training_options(q, "weights/adapters/latest")
     q.set_defaults(adapter_func=cmd_adapter_train)
@@ -173,7 +181,7 @@ def register(sub) -> None:
     q.add_argument("prompts", nargs="+", help="the prompts to encode")
     q.add_argument("--adapter", required=True, metavar="DIR", help="a saved adapter folder")
     q.add_argument("--new", required=True, metavar="DIR", help="the new text encoder the adapter reads")
-    q.add_argument("--new-layer", default="last", help="layer read from the new encoder (last or penultimate)")
+    q.add_argument("--new-layer", choices=LAYERS, default="last", help="layer read from the new encoder")
     q.add_argument("--negative", help="also write negative_prompt_embeds for this prompt (e.g. '')")
     q.add_argument("--out", required=True, help="a .safetensors file")
     q.add_argument("--allow-pickle", action="store_true", help="read pickle weights (with weights_only=True)")

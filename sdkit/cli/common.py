@@ -17,6 +17,8 @@ PRESET_NAMES = "sd15, sd21, sdxl, tiny, minisd"  # presets.PRESETS, without impo
 # The file that marks a folder as one sdkit wrote (minisd.pipeline.SPEC_FILE, adapter.REPORT_FILE,
 # conditioning.MAPS_FILE), named here so that outputs are checked before torch is imported.
 MODEL_MARKER, ADAPTERS_MARKER, MAPS_MARKER = "minisd.json", "report.json", "maps.json"
+LAYERS = ("last", "penultimate")  # encoders.LAYERS
+ADAPTER_KINDS = ("linear", "mlp", "mixer")  # adapter.KINDS
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -32,10 +34,39 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
 class Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", _Formatter)
+        kwargs.setdefault("allow_abbrev", False)  # --steps is --steps, not also --st (and given_options stays exact)
         super().__init__(*args, **kwargs)
 
     def error(self, message):  # one line, like every other input error
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def given_options(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The dests of the options written on the command line (not left at their defaults)."""
+    dests: dict[str, str] = {}
+
+    def collect(p):
+        for action in p._actions:
+            dests.update(dict.fromkeys(action.option_strings, action.dest))
+            if isinstance(action, argparse._SubParsersAction):
+                for child in action.choices.values():
+                    collect(child)
+
+    collect(parser)
+    given = set()
+    for token in argv:
+        if token == "--":
+            break
+        option = token.split("=", 1)[0]
+        if option in dests:
+            given.add(dests[option])
+    return given
+
+
+def refuse_options(args, dests, mode: str) -> None:
+    """Refuse options given on the command line that `mode` does not read (never ignore them)."""
+    for dest in sorted(set(dests) & getattr(args, "given", set())):
+        raise SdkitError(f"--{dest.replace('_', '-')} does not apply {mode}")
 
 
 # --- argument types: refuse what would silently become something else ------------------------------
@@ -58,6 +89,38 @@ def nonnegative_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
+
+
+def at_most(limit: int, why: str):
+    """An argument type: a positive whole number no larger than `limit` (which `why` explains)."""
+
+    def parse(text: str) -> int:
+        value = positive_int(text)
+        if value > limit:
+            raise argparse.ArgumentTypeError(f"at most {limit:,} ({why}), not {value:,}")
+        return value
+
+    return parse
+
+
+def adapter_kinds(text: str) -> list[str]:
+    kinds = [k for k in text.split(",") if k]
+    unknown = [k for k in kinds if k not in ADAPTER_KINDS]
+    if unknown or not kinds:
+        raise argparse.ArgumentTypeError(f"adapter kinds are a comma-separated list of {', '.join(ADAPTER_KINDS)}, "
+                                         f"not {text!r}")  # fmt: skip
+    return kinds
+
+
+def seed(text: str) -> int:
+    """A seed: a whole number from 0 to 2^63 - 1 (what torch's generators take)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"a seed is 0 to 2^63 - 1, not {value}")
     return value
 
 
@@ -134,16 +197,25 @@ def progress_bar(args, **kwargs):
     return tqdm(leave=False, disable=True if getattr(args, "json", False) else None, **kwargs)
 
 
-def check_outputs(args, files=(), folders=(), owned: dict | None = None, inputs=()) -> None:
+def check_outputs(args, files=(), pictures=(), folders=(), owned: dict | None = None, inputs=()) -> None:
     """Check every output path the command will write, before it starts working.
 
-    files: flags naming output files; folders: flags naming folders the command adds its own files
-    to (caches, checkpoints); owned: flag -> marker file, for folders the command writes as a whole
-    (a model, adapters, maps): new, empty, or written by sdkit before. inputs: what the command
-    reads, which no output may overwrite."""
+    files: flags naming output files; pictures: those naming pictures (PNG, SVG or PDF by suffix);
+    folders: flags naming folders the command adds its own files to (caches, checkpoints); owned:
+    flag -> marker file, for folders the command writes as a whole (a model, adapters, maps): new,
+    empty, or written by sdkit before. inputs: what the command reads, which no output may overwrite."""
+    from pathlib import Path
+
+    from ..common import FIGURE_FORMATS
+
     if getattr(args, "json_out", None):
         check_output(args.json_out, "--json-out file", inputs=inputs)
-    for flag in files:
+    for flag in pictures:
+        suffix = Path(getattr(args, flag, None) or "x.png").suffix.lower()
+        if suffix and suffix not in FIGURE_FORMATS:
+            raise SdkitError(f"{getattr(args, flag)}: --{flag.replace('_', '-')} pictures are written as "
+                             f"{', '.join(FIGURE_FORMATS)} (by the name's suffix)")  # fmt: skip
+    for flag in (*files, *pictures):
         if getattr(args, flag, None):
             check_output(getattr(args, flag), f"--{flag.replace('_', '-')} file", inputs=inputs)
     for flag in folders:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 
 from ..common import SdkitError
-from .common import (MAPS_MARKER, PRESET_NAMES, add_json, check_input, check_outputs, grid_sides, latent_size,
-                     minisd_spec, nonnegative_float, nonnegative_int, positive_int, progress_bar, show_result)  # fmt: skip
+from .common import (LAYERS, MAPS_MARKER, PRESET_NAMES, add_json, check_input, check_outputs, grid_sides,
+                     latent_size, minisd_spec, nonnegative_float, nonnegative_int, positive_int, progress_bar,
+                     refuse_options, seed, show_result)  # fmt: skip
 
 
 def _timesteps(text: str) -> tuple[int, ...]:
@@ -69,11 +70,22 @@ def _minisd_findings(args) -> None:
     show_result(args, result.to_json(), table)
 
 
+# What each mode reads; an option given for another mode is refused, never ignored.
+COMPARISON_ONLY = ("prompt", "tokenizer", "layer", "latent_size", "timestep", "seed", "maps", "shared_scale",
+                   "map_sides", "device")  # fmt: skip
+MINISD_ONLY = ("count", "guidance", "steps", "plot", "timesteps", "pooled_model")
+
+
 def cmd_condition(args) -> None:
-    check_outputs(args, files=("plot",), owned={"maps": MAPS_MARKER},
-                   inputs=[args.unet, args.text_encoder, args.tokenizer, args.pooled_model])
+    check_outputs(args, pictures=("plot",), owned={"maps": MAPS_MARKER},
+                  inputs=[args.unet, args.text_encoder, args.tokenizer, args.pooled_model])
     if args.masks and args.generate:
         raise SdkitError("choose one of --masks and --generate")
+    if args.masks or args.generate:
+        mode = "with --masks" if args.masks else "with --generate"
+        refuse_options(args, COMPARISON_ONLY + (("pooled_model",) if args.masks else ("timesteps",)), mode)
+    else:
+        refuse_options(args, MINISD_ONLY, "without --masks or --generate")
     if args.tokenizer and not args.text_encoder:
         raise SdkitError("--tokenizer needs --text-encoder (the tokenizer labels the encoder's tokens)")
     if args.unet not in PRESET_NAMES.split(", "):
@@ -131,10 +143,11 @@ def register(sub) -> None:
                    help="the prompt to encode (for a mini SD, try 'a red circle to the left of a blue square')")  # fmt: skip
     p.add_argument("--text-encoder", metavar="DIR", help="local transformers text encoder (or SD pipeline folder)")
     p.add_argument("--tokenizer", metavar="DIR", help="its tokenizer, when not beside it")
-    p.add_argument("--layer", default="last", help="text-encoder layer the U-Net reads: last (SD 1.x) or penultimate (SD 2.x)")
+    p.add_argument("--layer", choices=LAYERS, default="last",
+                   help="text-encoder layer the U-Net reads: last (SD 1.x) or penultimate (SD 2.x)")
     p.add_argument("--latent-size", type=latent_size, help="latent grid, e.g. 64 or 64x96 (default: the U-Net's sample size)")
     p.add_argument("--timestep", type=nonnegative_int, default=500, help="diffusion timestep of the forward pass")
-    p.add_argument("--seed", type=int, default=0, help="seed of the latent (and of synthetic tokens)")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the latent (and of synthetic tokens)")
     p.add_argument("--maps", metavar="DIR", help="write a PNG heatmap per word and an overview grid here")
     p.add_argument("--shared-scale", action="store_true", help="one colour scale for all maps")
     p.add_argument("--map-sides", type=grid_sides, help="only layers with these grid sides in the maps, e.g. 16,32")

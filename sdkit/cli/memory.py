@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-from .common import add_json, check_outputs, progress_bar, show_result
+from .common import add_json, check_input, check_outputs, progress_bar, refuse_options, show_result
 
 
 def cmd_memory(args) -> None:
-    check_outputs(args, files=("plot",), inputs=[args.minisd])
+    check_outputs(args, pictures=("plot",), inputs=[args.minisd])
+    if args.quick:  # the quick run measures random keys only
+        refuse_options(args, ("minisd", "encoders_dir"), "with --quick (it measures random keys only)")
+    for dest, what in (("minisd", "--minisd"), ("encoders_dir", "--encoders-dir")):
+        if dest in args.given:  # named on purpose: it must be there (the defaults are skipped when absent)
+            check_input(getattr(args, dest), what)
     from ..memory import format_report, plot, run
 
     with progress_bar(args, desc="memories scored", unit="mem", unit_scale=True) as bar:

@@ -7,7 +7,7 @@ import os
 
 from ..common import SdkitError
 from .common import (MODEL_MARKER, Parser, add_json, check_input, check_outputs, nonnegative_float, positive_float,
-                     positive_int, progress_bar, show_result)  # fmt: skip
+                     positive_int, progress_bar, seed, show_result)  # fmt: skip
 
 
 def cmd_minisd(args) -> None:
@@ -37,10 +37,14 @@ def cmd_minisd_train(args) -> None:
                    cache_dir=args.cache, progress=not args.json)  # fmt: skip
     from dataclasses import asdict
 
-    resumed = f", resumed from step {result.resumed_from}" if result.resumed_from else ""
     last = result.history[-1]["loss"] if result.history else float("nan")
-    table = (f"trained {result.steps} steps{resumed} in {result.seconds:.0f} s ({result.samples_per_second:.1f} "
-             f"samples/s); last loss {last:.4f}\nsaved the EMA weights to {result.folder}")  # fmt: skip
+    if result.resumed_from == result.steps:
+        table = (f"the checkpoint already holds all {result.steps} steps: nothing left to train (last loss {last:.4f})"
+                 f"\nsaved its EMA weights to {result.folder}")  # fmt: skip
+    else:
+        resumed = f", resumed from step {result.resumed_from}" if result.resumed_from else ""
+        table = (f"trained {result.steps} steps{resumed} in {result.seconds:.0f} s ({result.samples_per_second:.1f} "
+                 f"samples/s); last loss {last:.4f}\nsaved the EMA weights to {result.folder}")  # fmt: skip
     show_result(args, asdict(result), table)
 
 
@@ -52,9 +56,11 @@ def _pipeline(args):
 
 
 def cmd_minisd_sample(args) -> None:
-    check_outputs(args, files=("out",), inputs=[args.model, args.text_encoder])
+    check_outputs(args, pictures=("out",), inputs=[args.model, args.text_encoder])
     from ..minisd.evaluate import sample_grid
 
+    if args.first_seed + args.seeds > 2**63:
+        raise SdkitError(f"--first-seed {args.first_seed} + {args.seeds} seeds passes the largest seed, 2^63 - 1")
     pipe = _pipeline(args)
     prompts = [p for p in args.prompts for _ in range(args.seeds)]
     seeds = [args.first_seed + s for _ in args.prompts for s in range(args.seeds)]
@@ -68,10 +74,12 @@ def cmd_minisd_sample(args) -> None:
 
 
 def cmd_minisd_eval(args) -> None:
-    check_outputs(args, files=("panel",), inputs=[args.model, args.text_encoder])
+    check_outputs(args, pictures=("panel",), inputs=[args.model, args.text_encoder])
     from ..minisd.evaluate import SETS, draw_panel, evaluate, format_evaluation
 
     sets = [s for s in args.sets.split(",") if s]
+    if not sets:
+        raise SdkitError(f"--sets names no prompt set; choose from {', '.join(SETS)}")
     unknown = set(sets) - set(SETS)
     if unknown:
         raise SdkitError(f"unknown prompt set {sorted(unknown)[0]!r}; choose from {', '.join(SETS)}")
@@ -118,7 +126,7 @@ def register(sub) -> None:
     q.add_argument("--steps", type=positive_int, default=1600, help="optimizer steps")
     q.add_argument("--batch-size", type=positive_int, default=32, help="images per step")
     q.add_argument("--lr", type=positive_float, default=1e-3, help="peak learning rate")
-    q.add_argument("--seed", type=int, default=0, help="seed of the data stream, noise and initialisation")
+    q.add_argument("--seed", type=seed, default=0, help="seed of the data stream, noise and initialisation")
     q.add_argument("--image-size", type=positive_int, default=32, help="image side in pixels (32 or 64)")
     q.add_argument("--conditioning", choices=("tokens", "pooled"), default="tokens",
                    help="tokens: every token state; pooled: their mean, one key/value")  # fmt: skip
@@ -137,7 +145,7 @@ def register(sub) -> None:
     q = minisd_sub.add_parser("sample", help="generate images for prompts, as a PNG grid")
     q.add_argument("prompts", nargs="+", help="captions, e.g. 'a red circle at the top left'")
     q.add_argument("--seeds", type=positive_int, default=8, help="images per prompt (seeds first-seed, +1, ...)")
-    q.add_argument("--first-seed", type=int, default=0, help="seed of the first image")
+    q.add_argument("--first-seed", type=seed, default=0, help="seed of the first image")
     q.add_argument("--out", default="minisd-samples.png", help="the PNG grid")
     sampling_options(q)
     q.set_defaults(minisd_func=cmd_minisd_sample)

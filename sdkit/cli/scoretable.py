@@ -7,7 +7,7 @@ from .common import add_json, check_outputs, positive_int, progress_bar, show_re
 
 
 def cmd_scoretable(args) -> None:
-    check_outputs(args, files=("plot",))
+    check_outputs(args, pictures=("plot",))
     from ..scoretable import (format_measurements, format_score_tables, measure, plot, resolve_device,
                              score_tables)  # fmt: skip
 

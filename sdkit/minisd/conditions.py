@@ -146,7 +146,7 @@ def draw_comparison(c: TokenComparison, path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..common import save_png
+    from ..common import save_figure
 
     names = list(c.results)
     prompts = len(c.grid_captions)
@@ -177,4 +177,4 @@ def draw_comparison(c: TokenComparison, path) -> None:
                 ax.text(-0.08, 0.5, wrap_words(c.grid_captions[row]), transform=ax.transAxes, ha="right", va="center",
                         fontsize=7)  # fmt: skip
     fig.suptitle(f"{c.model}: one token against many (same prompt and seed along each row)", fontsize=9)
-    save_png(fig, path)
+    save_figure(fig, path)

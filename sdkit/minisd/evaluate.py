@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from ..common import SdkitError, format_table, save_png
+from ..common import SdkitError, format_table, save_figure
 from .data import HELD_OUT_PAIRS, HELD_OUT_SINGLES, PAIR_TEMPLATES, RELATIONS, SINGLE_TEMPLATES, Scene, pair_scene, \
     random_scene, render, single_scene  # fmt: skip
 from .judge import HEADERS, accuracy, accuracy_cells, accuracy_intervals, judge
@@ -167,7 +167,7 @@ def draw_panel(ev: Evaluation, path, per_set: int = 8) -> None:
     fig.suptitle(f"{ev.model}: green = all correct (c colour, p position, s shape; 'found' when more objects than "
                  f"named); guidance {ev.guidance_scale:g}",
                  fontsize=9)  # fmt: skip
-    save_png(fig, path)
+    save_figure(fig, path)
 
 
 def wrap_words(text: str, width: int = 24) -> str:
@@ -198,4 +198,4 @@ def sample_grid(images: np.ndarray, captions: list[str], seeds: list[int], path,
         ax.set_title(f"{wrap_words(caption)}\nseed {seed}", fontsize=6.5)
     if title:
         fig.suptitle(title, fontsize=9)
-    save_png(fig, path)
+    save_figure(fig, path)

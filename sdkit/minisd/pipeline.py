@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..common import SdkitError, atomic_folder, write_json
+from ..common import SdkitError, atomic_folder, first_line, write_json
 from ..encoders import TextEncoder
 from .data import from_model
 
@@ -57,9 +57,33 @@ class MiniSDSpec:
             spec = cls(**json.loads(path.read_text()))
         except (ValueError, TypeError) as e:
             raise SdkitError(f"{path}: not a valid {SPEC_FILE} ({e})") from None
-        if spec.conditioning not in CONDITIONINGS:
-            raise SdkitError(f"{path}: unknown conditioning {spec.conditioning!r}")
+        problem = spec.problem()
+        if problem:
+            raise SdkitError(f"{path}: {problem}")
         return spec
+
+    def problem(self) -> str | None:
+        """What makes this spec unusable, in a few words (None when nothing does)."""
+        from ..encoders import LAYERS
+
+        def whole(value, least: int) -> bool:
+            return type(value) is int and value >= least
+
+        if not isinstance(self.text_encoder, str) or not self.text_encoder or Path(self.text_encoder).name != self.text_encoder:
+            return f"text_encoder must be a folder name, not {self.text_encoder!r}"
+        if self.layer not in LAYERS:
+            return f"layer must be one of {', '.join(LAYERS)}, not {self.layer!r}"
+        if not whole(self.max_length, 1):
+            return f"max_length must be a whole number of token positions (1 or more), not {self.max_length!r}"
+        if self.conditioning not in CONDITIONINGS:
+            return f"unknown conditioning {self.conditioning!r}; one of {', '.join(CONDITIONINGS)}"
+        if not whole(self.image_size, 12):
+            return f"image_size must be a whole number of pixels (12 or more), not {self.image_size!r}"
+        if self.space != "pixels":
+            return f"space must be 'pixels' (the mini SD has no VAE), not {self.space!r}"
+        if not isinstance(self.training, dict):
+            return "training must be an object"
+        return None
 
     def write(self, folder: str | os.PathLike) -> None:
         write_json(Path(folder) / SPEC_FILE, asdict(self))
@@ -89,11 +113,22 @@ def find_text_encoder(spec: MiniSDSpec, text_encoder: str | os.PathLike | None =
 
 
 def read_scheduler_config(folder: str | os.PathLike) -> dict:
+    """The model's scheduler config, checked by building the scheduler it names."""
+    from diffusers import DDPMScheduler
+
     path = Path(folder) / "scheduler" / "scheduler_config.json"
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise SdkitError(f"{path}: cannot read the scheduler config ({e})") from None
+    if not isinstance(config, dict) or type(config.get("num_train_timesteps", 1000)) is not int or \
+            config.get("num_train_timesteps", 1000) < 2:  # fmt: skip
+        raise SdkitError(f"{path}: num_train_timesteps must be a whole number of at least 2")
+    try:
+        DDPMScheduler.from_config(config)
+    except Exception as e:  # diffusers raises NotImplementedError, ValueError, ...: all mean a bad config
+        raise SdkitError(f"{path}: not a usable scheduler config ({first_line(e)})") from None
+    return config
 
 
 @dataclass
@@ -119,6 +154,9 @@ class MiniSDPipeline:
         spec = MiniSDSpec.read(folder)
         unet = load_unet(folder, allow_pickle=allow_pickle)
         encoder = find_text_encoder(spec, text_encoder, encoders_dir, allow_pickle)
+        if encoder.width != unet.config.cross_attention_dim:
+            raise SdkitError(f"{folder}: the U-Net reads {unet.config.cross_attention_dim}-wide token states, "
+                             f"{encoder.source} gives {encoder.width}-wide ones")  # fmt: skip
         return cls(unet, read_scheduler_config(folder), spec, encoder)
 
     def save_pretrained(self, folder: str | os.PathLike) -> None:
@@ -133,6 +171,7 @@ class MiniSDPipeline:
         """The states the U-Net reads for these prompts, under the model's conditioning."""
         if self.encoder is None:
             raise SdkitError("this pipeline has no text encoder; pass prompt_embeds, or load it with one")
+        self.encoder.check_length(list(prompts))
         states = self.encoder.encode(list(prompts)).float().cpu()
         if self.spec.conditioning == "pooled":
             return pool_states(states, self.encoder.real_mask(list(prompts)))
@@ -155,6 +194,9 @@ class MiniSDPipeline:
 
         negative_prompt_embeds defaults to the encoding of the empty prompt, as in training.
         """
+        trained = self.scheduler_config.get("num_train_timesteps", 1000)
+        if not 1 <= steps <= trained:
+            raise SdkitError(f"sampling steps must be 1 to {trained} (the timesteps the model was trained on), not {steps}")
         if prompt_embeds is None:
             if not prompts:
                 raise SdkitError("give prompts or prompt_embeds")
@@ -203,4 +245,7 @@ class MiniSDPipeline:
             if guided:
                 eps = uncond + guidance_scale * (eps - uncond)
             sample = scheduler.step(eps, t, sample).prev_sample
+        if not sample.isfinite().all():
+            raise SdkitError(f"sampling gave non-finite pixels (guidance scale {guidance_scale:g}, {steps} steps): the "
+                             "guided noise prediction overflowed; use a guidance scale nearer the trained range (1-10)")  # fmt: skip
         return np.stack([from_model(image) for image in sample])

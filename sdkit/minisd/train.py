@@ -70,6 +70,8 @@ class TrainSettings:
                 raise SdkitError(f"{name} must be a finite number >= 0, not {value}")
         if self.lr == 0:
             raise SdkitError("lr must be positive")
+        if self.image_size < 12:
+            raise SdkitError(f"image_size must be at least 12 pixels (a 3x3 grid of objects), not {self.image_size}")
         if self.empty_fraction > 1 or self.pair_fraction > 1:
             raise SdkitError("empty_fraction and pair_fraction are fractions (0 to 1)")
         if self.conditioning not in CONDITIONINGS:
@@ -243,6 +245,10 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
         raise SdkitError(f"checkpoint_every must be positive, not {checkpoint_every}")
     config = dict(unet_config or preset_config("minisd"))
     config["sample_size"] = settings.image_size
+    halvings = 2 ** (len(config.get("block_out_channels", ())) - 1)
+    if settings.image_size % halvings:
+        raise SdkitError(f"image_size {settings.image_size} does not halve {halvings.bit_length() - 1} times "
+                         f"through the U-Net's levels: use a multiple of {halvings}")  # fmt: skip
     if config.get("cross_attention_dim") != encoder.width:
         raise SdkitError(f"the U-Net config reads {config.get('cross_attention_dim')}-wide states, the text encoder "
                          f"gives {encoder.width}")  # fmt: skip
@@ -299,6 +305,8 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
             accelerator.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
             optimizer.step()
             ema.step(unet.parameters())
+            if not math.isfinite(loss.item()):
+                raise SdkitError(f"training diverged at step {step + 1}: the loss is {loss.item()} (try a lower lr)")
             window_loss, window_steps = window_loss + loss.item(), window_steps + 1
             done = step + 1
             if done % 25 == 0 or done == settings.steps:
