@@ -75,3 +75,30 @@ def original_state_dict(unet, state=None):
     state = state or unet.state_dict()
     names = diffusers_to_original_names(state, unet.config.layers_per_block)
     return {ORIGINAL_UNET_PREFIX + names[k]: v for k, v in state.items()}
+
+
+def micro_config(width: int) -> dict:
+    """A two-level mini SD U-Net, small enough to train in a second."""
+    return {"_class_name": "UNet2DConditionModel", "in_channels": 3, "out_channels": 3, "sample_size": 32,
+            "block_out_channels": [16, 32], "layers_per_block": 1, "norm_num_groups": 8, "attention_head_dim": 2,
+            "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"],
+            "up_block_types": ["CrossAttnUpBlock2D", "UpBlock2D"], "cross_attention_dim": width}  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def bert(tmp_path_factory):
+    """A tiny BERT-style encoder (width 32), tokenizing as all-MiniLM-L6-v2 does."""
+    from sdkit.encoders import load_text_encoder, write_tiny_bert_encoder
+
+    return load_text_encoder(write_tiny_bert_encoder(tmp_path_factory.mktemp("bert"), width=32))
+
+
+@pytest.fixture(scope="session")
+def micro_minisd(bert, tmp_path_factory):
+    """A mini SD folder on the micro config, trained two steps: (folder, its encoder's folder)."""
+    from sdkit.minisd.train import TrainSettings, train
+
+    out = tmp_path_factory.mktemp("micro-minisd") / "model"
+    train(out, bert, TrainSettings(steps=2, batch_size=4, warmup_steps=1, compile=False), micro_config(bert.width),
+          cache_dir=None, progress=False)  # fmt: skip
+    return out, bert.source

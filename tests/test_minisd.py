@@ -15,23 +15,10 @@ from sdkit.minisd.evaluate import BLUR_NOISE, BLUR_PIXELS, blurred
 from sdkit.minisd.judge import accuracy, classify_shape, find_objects, judge, min_object_pixels, shape_moments
 from sdkit.minisd.pipeline import MiniSDPipeline, pool_states
 from sdkit.minisd.train import Interrupted, TrainSettings, train
+from tests.conftest import micro_config
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "weights" / "minisd"
-
-
-def micro_config(width: int) -> dict:
-    return {"_class_name": "UNet2DConditionModel", "in_channels": 3, "out_channels": 3, "sample_size": 32,
-            "block_out_channels": [16, 32], "layers_per_block": 1, "norm_num_groups": 8, "attention_head_dim": 2,
-            "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"],
-            "up_block_types": ["CrossAttnUpBlock2D", "UpBlock2D"], "cross_attention_dim": width}  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def bert(tmp_path_factory):
-    from sdkit.encoders import load_text_encoder, write_tiny_bert_encoder
-
-    return load_text_encoder(write_tiny_bert_encoder(tmp_path_factory.mktemp("bert"), width=32))
 
 
 @pytest.mark.parametrize("side", [32, 64])
@@ -185,10 +172,8 @@ def test_training_saves_resumes_and_reloads_bit_exactly(bert, tmp_path, precisio
 
 
 @pytest.fixture(scope="module")
-def micro_model(bert, tmp_path_factory):
-    out = tmp_path_factory.mktemp("micro") / "model"
-    train(out, bert, _settings(), micro_config(bert.width), progress=False, cache_dir=None)
-    return out
+def micro_model(micro_minisd):
+    return micro_minisd[0]
 
 
 def test_sampling_is_deterministic_by_seed(micro_model, bert):

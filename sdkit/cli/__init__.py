@@ -17,6 +17,8 @@ import os
 import signal
 import sys
 
+from ..common import SdkitError
+
 COMMANDS = ("audit", "scoretable", "condition", "adapter", "minisd", "memory")
 
 
@@ -54,36 +56,56 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     name = "sdkit"
+    pressed = []
+
+    def on_interrupt(signum, frame):
+        pressed.append(signum)
+        raise KeyboardInterrupt
+
+    # Ctrl-C can land inside a library's import, which may turn it into another error (numpy's
+    # "cannot load module more than once", a RecursionError): once it is pressed, whatever follows
+    # is its consequence, and the answer is the same one line and 130.
+    previous = signal.signal(signal.SIGINT, on_interrupt) if _main_thread() else None
     try:
-        from ..common import SdkitError
+        from .common import given_options
 
-        try:
-            from .common import given_options
-
-            quiet_libraries()
-            parser = build_parser()
-            argv = sys.argv[1:] if argv is None else argv
-            args = parser.parse_args(argv)
-            if not getattr(args, "func", None):
-                parser.print_help()
-                return 0
-            args.given = given_options(parser, argv)
-            name = f"sdkit {args.command}"
-            args.func(args)
-        except SdkitError as e:
+        quiet_libraries()
+        parser = build_parser()
+        argv = sys.argv[1:] if argv is None else argv
+        args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 0
+        args.given = given_options(parser, argv)
+        name = f"sdkit {args.command}"
+        args.func(args)
+    except BaseException as e:  # noqa: BLE001 (sorted below; anything else goes on as it was)
+        if pressed or isinstance(e, KeyboardInterrupt):
+            print(f"{name}: interrupted", file=sys.stderr)
+            return 130
+        if isinstance(e, SystemExit):
+            raise
+        if isinstance(e, SdkitError):
             print(f"{name}: error: {e}", file=sys.stderr)
             return 2
-        except BrokenPipeError:  # `sdkit ... | head`: the reader left; say nothing more
+        if isinstance(e, BrokenPipeError):  # `sdkit ... | head`: the reader left; say nothing more
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 0
-        except OSError as e:  # the machine said no: permissions, a full disk, a vanished file
+        if isinstance(e, OSError):  # the machine said no: permissions, a full disk, a vanished file
             where = f"{e.filename}: " if e.filename else ""
             print(f"{name}: error: {where}{e.strerror or e}", file=sys.stderr)
             return 2
-    except KeyboardInterrupt:
-        print(f"{name}: interrupted", file=sys.stderr)
-        return 130
+        raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
     return 0
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
 
 
 def run() -> None:

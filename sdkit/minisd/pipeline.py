@@ -102,10 +102,13 @@ def find_text_encoder(spec: MiniSDSpec, text_encoder: str | os.PathLike | None =
     """The encoder a mini SD reads: `text_encoder` if given, else encoders_dir / spec.text_encoder."""
     from ..encoders import load_text_encoder
 
-    folder = Path(text_encoder) if text_encoder else Path(encoders_dir) / spec.text_encoder
-    if not (folder / "config.json").is_file():
-        raise SdkitError(f"{folder}: the mini SD reads {spec.text_encoder}, which is not there; "
-                         "python scripts/get_real_encoders.py puts it in weights/encoders")  # fmt: skip
+    if text_encoder:  # named by the user: load_text_encoder says what is wrong with it
+        folder = Path(text_encoder)
+    else:
+        folder = Path(encoders_dir) / spec.text_encoder
+        if not (folder / "config.json").is_file():
+            raise SdkitError(f"{folder}: the mini SD reads {spec.text_encoder}, which is not there; "
+                             "python scripts/get_real_encoders.py puts it in weights/encoders")  # fmt: skip
     encoder = load_text_encoder(folder, layer=spec.layer, context_length=spec.max_length, allow_pickle=allow_pickle)
     if encoder.max_length != spec.max_length:
         raise SdkitError(f"{folder}: reads at most {encoder.max_length} tokens, the model {spec.max_length}")

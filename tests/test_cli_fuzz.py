@@ -1,0 +1,160 @@
+"""A fuzzer for the command line: random values for every command's flags (huge, negative, NaN,
+empty, unicode, paths that are inputs, devices or folders), on tiny models.
+
+Every case must end in exit 0 with a finite result, or exit 2 with one line on stderr: never a
+traceback, never a changed input file, never a deleted or changed file the command did not name
+as its output. 60 cases in the default run, 600 in the slow one (-m slow).
+"""
+
+import hashlib
+import json
+import math
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.test_reliability import one_line
+
+# Values for any flag. Work-size flags (steps, counts, epochs) take only the small or invalid ones,
+# so that every case stays short: a valid huge amount of work is work, not a defect.
+ANY = ["0", "-1", "1", "2", "3", "17", "1e308", "-1e308", "nan", "inf", "-inf", "", " ", "é", "🙂", "1.5", "0x10",
+       "9" * 30, "-" + "9" * 30, "x", "--", "a,b", "8,", "64x96", "0,1000", "\x7f", "0.0001"]  # fmt: skip
+SMALL = ["0", "-1", "1", "2", "nan", "", "é", "1.5", "x", "-" + "9" * 30]
+
+
+def paths(root: Path) -> list[str]:
+    """Where outputs may go: new files, existing user files, inputs, devices, folders, odd names."""
+    return [str(root / "out" / "new.json"), str(root / "out" / "deep" / "er" / "new.png"), str(root / "keep" / "notes.txt"),
+            str(root / "keep"), str(root / "inputs" / "tiny.safetensors"), str(root / "inputs" / "micro" / "minisd.json"),
+            "/dev/null", str(root / "out" / "é 🙂.png"), str(root / "out" / "x.svg"), str(root / "out" / "x.txt"), "",
+            str(root / "inputs" / "micro"), str(root / "out" / "fresh")]  # fmt: skip
+
+
+def commands(root: Path, encoder: str) -> dict[str, tuple[list[str], dict[str, list[str]]]]:
+    """name -> (the command's fixed arguments, flag -> values to try)."""
+    inputs, micro = root / "inputs", str(root / "inputs" / "micro")
+    out = paths(root)
+    models = ["tiny", "minisd", "sd15", str(inputs / "tiny.safetensors"), str(inputs / "pipeline"), micro,
+              "/nonexistent", "", "é", str(root / "keep")]  # fmt: skip
+    sample = ["minisd", "sample", "a red circle at the top", "--model", micro, "--text-encoder", encoder, "--out",
+              str(root / "out" / "grid.png")]  # fmt: skip
+    return {
+        "audit": (["audit"], {"": models, "--context-dim": ANY, "--image-size": ANY, "--json-out": out,
+                              "--allow-pickle": [None], "--json": [None]}),  # fmt: skip
+        "scoretable": (["scoretable", "--preset", "tiny"],
+                       {"--size": ANY, "--height": ANY, "--width": ANY, "--preset": ["tiny", "minisd", "x", ""],
+                        "--batch": SMALL, "--cfg": [None], "--dtype": ["float32", "int8", ""], "--plot": out,
+                        "--chunk-budget": ANY, "--json-out": out, "--tokens": SMALL}),  # fmt: skip
+        "condition": (["condition"],
+                      {"--unet": ["tiny", micro, "/nonexistent", str(inputs / "tiny.safetensors")],
+                       "--prompt": ["", "é 🙂", "a red circle", "x " * 500], "--latent-size": ANY,
+                       "--timestep": ANY, "--seed": ANY, "--maps": out, "--map-sides": ANY, "--layer": ["last", "x"],
+                       "--text-encoder": [encoder, "/nonexistent", micro], "--json-out": out, "--masks": [None],
+                       "--count": SMALL, "--steps": SMALL, "--timesteps": ANY, "--guidance": ANY}),  # fmt: skip
+        "adapter encode": (["adapter", "encode", "a red cat", "--adapter", str(inputs / "adapter"), "--new",
+                            str(inputs / "new"), "--out", str(root / "out" / "embeds.safetensors")],
+                           {"--negative": ["", "é", "x " * 100], "--out": out, "--new-layer": ["last", "penultimate", "x"],
+                            "--adapter": [str(inputs / "adapter"), micro, "/nonexistent"]}),  # fmt: skip
+        "minisd sample": (sample, {"--seeds": SMALL, "--first-seed": ANY, "--steps": SMALL + ["1001"],
+                                   "--guidance": ANY, "--sampler": ["ddim", "dpm", "x"], "--out": out,
+                                   "--json-out": out}),  # fmt: skip
+        "minisd eval": (["minisd", "eval", "--model", micro, "--text-encoder", encoder, "--count", "1", "--steps", "2",
+                         "--no-floors"],
+                        {"--sets": ["", ",", "pairs", "x", "singles,pairs"], "--count": SMALL, "--steps": SMALL,
+                         "--guidance": ANY, "--panel": out}),  # fmt: skip
+        "minisd train": (["minisd", "train", "--text-encoder", encoder, "--steps", "1", "--out", str(root / "out" / "m")],
+                         {"--lr": ANY, "--image-size": ANY, "--batch-size": SMALL, "--out": out,
+                          "--pair-fraction": ANY, "--empty-fraction": ANY, "--checkpoint-every": ANY}),  # fmt: skip
+    }
+
+
+def digest_tree(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}  # fmt: skip
+
+
+def finite(value) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, dict):
+        return all(finite(v) for v in value.values())
+    if isinstance(value, list):
+        return all(finite(v) for v in value)
+    return True
+
+
+@pytest.fixture(scope="module")
+def arena(tmp_path_factory, micro_minisd, tiny_files, tiny_pair):
+    """Inputs (tiny checkpoints, a micro mini SD, an adapter) and a user's folder beside them."""
+    from sdkit.adapter import TextEncoderAdapter
+
+    root = tmp_path_factory.mktemp("arena")
+    inputs = root / "inputs"
+    inputs.mkdir()
+    shutil.copy(tiny_files / "diffusers.safetensors", inputs / "tiny.safetensors")
+    shutil.copytree(tiny_files / "pipeline", inputs / "pipeline")
+    shutil.copytree(micro_minisd[0], inputs / "micro")
+    shutil.copytree(tiny_pair[0].source, inputs / "new")
+    TextEncoderAdapter("linear", tiny_pair[0].width, 768).save_pretrained(inputs / "adapter")
+    (root / "keep" / "sub").mkdir(parents=True)
+    (root / "keep" / "notes.txt").write_text("mine")
+    (root / "keep" / "sub" / "data.csv").write_text("1,2")
+    return root, micro_minisd[1]
+
+
+INPUT_FLAGS = ("", "--unet", "--model", "--adapter", "--new", "--text-encoder")
+
+
+def run_cases(cli, arena, count: int, seed: int) -> None:
+    root, encoder = arena
+    table = commands(root, encoder)
+    names = sorted(table)
+    pristine = root.parent / f"{root.name}-pristine"
+    shutil.copytree(root, pristine, dirs_exist_ok=True)
+    before = digest_tree(pristine)
+    outcomes = {0: 0, 2: 0}
+    for case in range(count):
+        rng = random.Random(f"{seed}:{case}")
+        base, flags = table[rng.choice(names)]
+        argv = list(base)
+        for flag in rng.sample(sorted(flags), k=min(len(flags), rng.randint(0, 3))):
+            value = rng.choice(flags[flag])
+            if flag == "":
+                argv.append(value)
+            else:
+                argv += [flag] if value is None else [flag, value]
+        if rng.random() < 0.5:
+            argv.append("--json")
+        code, out, err = cli(*argv)
+        assert code in (0, 2), (argv, code, err[-2000:])
+        outcomes[code] += 1
+        if code == 2:
+            one_line(code, err)
+        elif "--json" in argv:
+            assert finite(json.loads(out)), argv
+        else:
+            assert " nan " not in f" {out} ".lower().replace("\n", " "), (argv, out)
+        # Files that were there: none deleted; changed only if named as an output, never if read.
+        reads = {Path(argv[i + 1]) for i in range(len(argv) - 1) if argv[i] in INPUT_FLAGS[1:]}
+        reads |= {Path(argv[1])} if argv[0] == "audit" and len(argv) > 1 and not argv[1].startswith("-") else set()
+        named = {Path(v) for v in argv if v.startswith(str(root))}
+        after = digest_tree(root)
+        for name, digest in before.items():
+            if after.get(name) != digest:
+                path = root / name
+                assert path in named, ("deleted or changed a file it did not name", argv, name)
+                assert not any(path == r or r in path.parents for r in reads), ("overwrote an input", argv, name)
+                shutil.copy(pristine / name, path)  # the next case starts from the same arena
+    print(f"fuzz outcomes: {outcomes}")
+    assert outcomes[2] > 0 and (count < 50 or outcomes[0] > 0), outcomes
+
+
+def test_cli_fuzz(cli, arena):
+    run_cases(cli, arena, count=60, seed=0)
+
+
+@pytest.mark.slow
+def test_cli_fuzz_long(cli, arena):
+    run_cases(cli, arena, count=600, seed=1)
