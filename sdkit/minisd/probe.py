@@ -1,0 +1,160 @@
+"""Is binding in the text? Linear probes of the token states a mini SD's U-Net reads.
+
+For every pair caption the generator writes ("a red circle to the left of a blue square"), each
+object's colour word and shape word are probed, with a linear classifier trained on some object
+pairs and tested on others (no pair of objects in both), for
+
+    colour:  the object's own colour (from its shape word, this is binding: "circle" knowing it is red)
+    left:    whether the object is the left one (the relation word and the word order, composed)
+
+Controls in the same table: chance (the commonest class of the test set), and the same probe on
+the encoder's context-free input embeddings (the word's own embedding: no context, no position).
+If the contextual states carry an answer the control does not, the text encoder hands it to the
+U-Net; whatever the U-Net then draws wrong is lost on the U-Net's side.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ..common import format_table
+from ..encoders import TextEncoder, token_roles
+from .data import COLOURS, RELATIONS, SHAPES, pair_scene
+
+TARGETS = ("colour", "left")
+WORDS = ("colour", "shape")
+FEATURES = ("contextual", "input embedding")
+
+
+@dataclass
+class ProbeExamples:
+    """One row per (caption, object, word kind): its features and labels, and the object pair."""
+
+    contextual: torch.Tensor  # (rows, width): the word's state as the U-Net reads it (mean over pieces)
+    embedding: torch.Tensor  # (rows, width): the word's context-free input embedding (mean over pieces)
+    word: list[str]  # "colour" or "shape": which word of the object
+    colour: torch.Tensor  # (rows,) the object's colour, an index into COLOURS
+    left: torch.Tensor  # (rows,) 1 if the object is the left one
+    pair: list[frozenset]  # the unordered pair of objects of the caption
+
+
+def pair_captions() -> list:
+    """Every pair scene the generator can caption: ordered objects x relation x template."""
+    objects = [(c, s) for c in COLOURS for s in SHAPES]
+    return [pair_scene(first, relation, second, template=t) for first in objects for second in objects
+            if first != second for relation in RELATIONS for t in range(4)]  # fmt: skip
+
+
+def probe_examples(encoder: TextEncoder, scenes, batch_size: int = 256) -> ProbeExamples:
+    from ..localization import object_words
+
+    contextual, embedding, word, colour, left, pair = [], [], [], [], [], []
+    table = encoder.model.get_input_embeddings().weight.detach().float()
+    names = list(COLOURS)
+    for start in range(0, len(scenes), batch_size):
+        batch = scenes[start : start + batch_size]
+        captions = [s.caption for s in batch]
+        states = encoder.encode(captions).float()
+        ids = encoder.tokenize(captions)["input_ids"]
+        for b, scene in enumerate(batch):
+            roles = token_roles(encoder.tokenizer, scene.caption, encoder.max_length)
+            for found in object_words(roles, scene.objects):
+                positions = found["positions"]
+                obj = scene.objects[found["object"]]
+                contextual.append(states[b, positions].mean(0))
+                embedding.append(table[ids[b, positions]].mean(0))
+                word.append(found["kind"])
+                colour.append(names.index(obj.colour))
+                is_first = found["object"] == 0
+                left.append(int(is_first == (scene.relation == "left of")))
+                pair.append(frozenset((o.colour, o.shape) for o in scene.objects))
+    return ProbeExamples(torch.stack(contextual), torch.stack(embedding), word, torch.tensor(colour),
+                         torch.tensor(left), pair)  # fmt: skip
+
+
+def fit_probe(x: torch.Tensor, y: torch.Tensor, classes: int, weight_decay: float = 1e-2, steps: int = 200) -> tuple:
+    """A multinomial logistic regression on standardised features (L-BFGS, L2 on the weights)."""
+    mean, std = x.mean(0), x.std(0).clamp_min(1e-6)
+    z = (x - mean) / std
+    weights = torch.zeros(x.shape[1], classes, requires_grad=True)
+    bias = torch.zeros(classes, requires_grad=True)
+    optimizer = torch.optim.LBFGS([weights, bias], max_iter=steps, line_search_fn="strong_wolfe")
+
+    def closure():
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(z @ weights + bias, y) + weight_decay * weights.pow(2).sum()
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)
+    return mean, std, weights.detach(), bias.detach()
+
+
+def probe_accuracy(model: tuple, x: torch.Tensor, y: torch.Tensor) -> float:
+    mean, std, weights, bias = model
+    return float((((x - mean) / std) @ weights + bias).argmax(1).eq(y).float().mean())
+
+
+@dataclass
+class ProbeReport:
+    encoder: str
+    layer: str
+    train_pairs: int
+    test_pairs: int
+    rows: list[dict] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def run_probe(encoder: TextEncoder, test_fraction: float = 0.3, seed: int = 0) -> ProbeReport:
+    """Every probe of the module docstring, trained and tested on disjoint object pairs."""
+    start = time.perf_counter()
+    torch.manual_seed(seed)
+    scenes = pair_captions()
+    data = probe_examples(encoder, scenes)
+    pairs = sorted(set(data.pair), key=lambda p: sorted(p))
+    random.Random(seed).shuffle(pairs)
+    test_pairs = set(pairs[: round(len(pairs) * test_fraction)])
+    report = ProbeReport(encoder.source, encoder.layer, len(pairs) - len(test_pairs), len(test_pairs))
+    for word in WORDS:
+        rows = torch.tensor([w == word for w in data.word])
+        test = rows & torch.tensor([p in test_pairs for p in data.pair])
+        train = rows & ~test
+        for target in TARGETS:
+            y = data.colour if target == "colour" else data.left
+            classes = len(COLOURS) if target == "colour" else 2
+            entry = {"word": word, "target": target, "train": int(train.sum()), "test": int(test.sum()),
+                     "chance": float(y[test].bincount(minlength=classes).max() / test.sum())}  # fmt: skip
+            for name, x in (("contextual", data.contextual), ("input embedding", data.embedding)):
+                model = fit_probe(x[train], y[train], classes)
+                entry[name] = probe_accuracy(model, x[test], y[test])
+                entry[f"{name} (train)"] = probe_accuracy(model, x[train], y[train])
+            report.rows.append(entry)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+QUESTIONS = {("colour", "colour"): "its own colour, from the colour word (the word itself)",
+             ("shape", "colour"): "its own colour, from the shape word (binding)",
+             ("colour", "left"): "whether it is the left one, from the colour word (the relation)",
+             ("shape", "left"): "whether it is the left one, from the shape word (the relation)"}  # fmt: skip
+
+
+def format_probe(reports: list[ProbeReport]) -> str:
+    rows = []
+    for r in reports:
+        for e in r.rows:
+            rows.append([r.encoder.rstrip("/").split("/")[-1], QUESTIONS[(e["word"], e["target"])],
+                         f"{100 * e['contextual']:.1f} %", f"{100 * e['input embedding']:.1f} %",
+                         f"{100 * e['chance']:.1f} %", e["test"]])  # fmt: skip
+    first = reports[0]
+    title = (f"Linear probes of the token states for pair captions: read off one object's word, tested on "
+             f"{first.test_pairs} object pairs\nnever seen in training ({first.train_pairs} pairs train)")
+    return format_table(["encoder", "what the probe reads", "states", "input embedding", "chance", "n"], rows,
+                        title=title)  # fmt: skip
