@@ -53,11 +53,11 @@ class TrainSettings:
     context_length: int = 24
     conditioning: str = "tokens"  # or "pooled": the mean token state, one key/value
     seed: int = 0
-    # "bf16": accelerate's autocast (bfloat16 convolutions and matmuls on float32 weights), where the
+    # "bf16": torch's autocast (bfloat16 convolutions and matmuls on float32 weights), where the
     # device computes bfloat16 natively (this CPU's AMX does it 3-7x faster than float32); "fp32";
     # "auto": bf16 where native, else fp32. Either is the weights' recipe: part of the fingerprint.
     precision: str = "auto"
-    compile: bool = True  # torch.compile the U-Net: fused element-wise work, ~1.3x here after ~80 s
+    compile: bool = True  # torch.compile each Transformer2D block (see compile_blocks): ~1.2x here, after ~30 s
 
     def check(self) -> None:
         for name in ("steps", "batch_size", "image_size", "context_length"):
@@ -183,6 +183,20 @@ def learning_rate(step: int, settings: TrainSettings) -> float:
     return settings.lr * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def compile_blocks(unet) -> None:
+    """torch.compile each Transformer2D block of the U-Net in place (its layer norms, projections,
+    attention and GEGLU fuse into a few kernels).
+
+    Not the whole U-Net: compiled whole under bfloat16 autocast, inductor (torch 2.13, CPU) gives
+    280 of its 326 parameters no gradient at all, silently (a test holds every gradient against
+    eager's). Block by block the gradients are eager's and the speed nearly the same."""
+    from diffusers.models.transformers.transformer_2d import Transformer2DModel
+
+    for module in unet.modules():
+        if isinstance(module, Transformer2DModel):
+            module.compile()
+
+
 def weighted_loss(prediction, noise, timesteps, noise_scheduler, settings: TrainSettings) -> torch.Tensor:
     """The batch's epsilon MSE, each sample weighted by its timestep (float32 whatever the precision)."""
     from diffusers.training_utils import compute_snr
@@ -281,7 +295,8 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
     if checkpoint and checkpoint.is_file():
         start, history = load_checkpoint(checkpoint, unet, ema, optimizer, fingerprint)
     model, optimizer = accelerator.prepare(unet, optimizer)
-    model = torch.compile(model) if settings.compile else model
+    if settings.compile:
+        compile_blocks(unet)
     ema.to(accelerator.device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=settings.precision == "bf16")
 
