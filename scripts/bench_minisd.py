@@ -90,9 +90,9 @@ def main() -> None:
     print(f"  plain eager loop:   {plain_s:7.1f} samples/s  (float32, eager, MSE, AdamW)")
     print(f"  ratio ours / plain: {ours_s / plain_s:.2f}")
     prompts = ["a red circle at the top left"] * 16
-    pipe(prompts[:2], seeds=[0, 1], steps=2)  # warm-up
+    pipe(prompts[:2], num_inference_steps=2, seeds=[0, 1])  # warm-up
     began = time.perf_counter()
-    pipe(prompts, seeds=list(range(16)), steps=25)
+    pipe(prompts, num_inference_steps=25, seeds=list(range(16)))
     seconds = time.perf_counter() - began
     print(f"\nsampling: one call of 16 images, DDIM 25 steps with guidance: {seconds:.2f} s ({seconds / 16:.3f} s per image)")
 

@@ -44,7 +44,9 @@ class CaptureProcessor:
     def __call__(self, attn: Attention, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None,
                  *args, **kwargs):  # fmt: skip
         out = self.original(attn, hidden_states, encoder_hidden_states, attention_mask, temb, *args, **kwargs)
-        with torch.no_grad():
+        # With the trace's graph on, the weights keep theirs (steering differentiates a loss on them);
+        # otherwise they are computed as a side table, without one.
+        with torch.set_grad_enabled(torch.is_grad_enabled() and self.trace.keep_graph):
             if attn.spatial_norm is not None:
                 hidden_states = attn.spatial_norm(hidden_states, temb)
             if hidden_states.ndim == 4:
@@ -57,8 +59,11 @@ class CaptureProcessor:
             mask = attn.prepare_attention_mask(attention_mask, context.shape[1], context.shape[0])
             query = attn.head_to_batch_dim(attn.to_q(hidden_states))
             probs = attn.get_attention_scores(query, attn.head_to_batch_dim(attn.to_k(context)), mask)
+        with torch.no_grad():
             mixed = torch.bmm(probs, attn.head_to_batch_dim(attn.to_v(context)))
             self.trace._record(self.name, attn.heads, probs, mixed)
+        if self.trace.keep_graph:
+            self.trace.graph_probs[self.name] = probs
         return out
 
 
@@ -89,13 +94,20 @@ class CrossAttentionTrace:
     Ask for them with token_maps(item=..., layers=..., timesteps=..., head=...): the mean over what
     is selected, upsampled to the latent size. save_maps() writes them raw, as safetensors.
 
+    With `keep_graph=True`, the weights of each layer's latest call are kept with their autograd
+    graph in `graph_probs` (see sdkit.steering, which differentiates losses on them).
+
     Self-attention keeps its processors (and fast path); on exit, every processor is the very
     object it was before, also when the body raises.
     """
 
     def __init__(self, unet, cfg: bool = False, maps: bool = False, map_sides: tuple[int, ...] | None = None,
-                 by_timestep: bool = False, timesteps=None, keep_heads: bool = False):  # fmt: skip
+                 by_timestep: bool = False, timesteps=None, keep_heads: bool = False, keep_graph: bool = False):  # fmt: skip
         self.unet, self.cfg, self.maps, self.map_sides = unet, cfg, maps, map_sides
+        # keep_graph: each layer's weights of the latest call, with their autograd graph, in
+        # graph_probs[layer]: (batch * heads, cells, tokens). What steering reads and differentiates.
+        self.keep_graph = keep_graph
+        self.graph_probs: dict[str, torch.Tensor] = {}
         self.by_timestep, self.keep_heads = by_timestep or timesteps is not None, keep_heads
         self.timesteps = None if timesteps is None else {int(t) for t in timesteps}
         self.layers: dict[str, _LayerSums] = {}

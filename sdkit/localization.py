@@ -226,7 +226,7 @@ def generated_set(pipe, count: int, guidance_scale: float = 4.0, steps: int = 25
     from .minisd.judge import find_objects
 
     _, scenes, _ = generator_set(count, pipe.spec.image_size, seed)
-    out = pipe([s.caption for s in scenes], list(range(count)), guidance_scale, steps, progress=progress)
+    out = pipe([s.caption for s in scenes], steps, guidance_scale, seeds=list(range(count)), progress=progress)
     masks = []
     for image, scene in zip(out.images, scenes):
         found = find_objects(image, max_objects=4)

@@ -34,3 +34,115 @@ def test_probe_fits_a_separable_problem():
     y = (x[:, 0] + 0.5 * x[:, 3] > 0).long()
     model = fit_probe(x[:300], y[:300], 2, weight_decay=1e-4)
     assert probe_accuracy(model, x[300:], y[300:]) >= 0.97
+
+
+# --- steering ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_sd(tmp_path_factory):
+    """A tiny random Stable Diffusion pipeline (U-Net with cross-attention at 32x32 and 16x16)."""
+    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextModel, CLIPTokenizer
+
+    from sdkit.encoders import write_tiny_clip_encoder
+
+    folder = write_tiny_clip_encoder(tmp_path_factory.mktemp("clip"), width=32, seed=0)
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(sample_size=32, in_channels=4, out_channels=4, block_out_channels=(16, 32),
+                                layers_per_block=1, norm_num_groups=8, attention_head_dim=4, cross_attention_dim=32,
+                                down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+                                up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D")).eval()  # fmt: skip
+    vae = AutoencoderKL(block_out_channels=(8, 8), norm_num_groups=4, latent_channels=4,
+                        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2).eval()  # fmt: skip
+    scheduler = DDIMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, clip_sample=False,
+                              set_alpha_to_one=False)  # fmt: skip
+    parts = {"vae": vae, "text_encoder": CLIPTextModel.from_pretrained(folder / "text_encoder"),
+             "tokenizer": CLIPTokenizer.from_pretrained(folder / "tokenizer"), "unet": unet, "scheduler": scheduler,
+             "safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}  # fmt: skip
+    return StableDiffusionPipeline(**parts), parts
+
+
+PROMPT = "a red cat and a blue dog"  # tokens: 1 a, 2 red, 3 cat, 4 and, 5 a, 6 blue, 7 dog
+
+
+def test_excite_is_diffusers_attend_and_excite(tiny_sd):
+    import copy
+
+    from diffusers import StableDiffusionAttendAndExcitePipeline
+
+    from sdkit.steering import Guide, SteeringSettings, steered_sd
+
+    pipe, parts = tiny_sd
+    reference = StableDiffusionAttendAndExcitePipeline(**{**parts, "unet": copy.deepcopy(parts["unet"])})
+    reference.set_progress_bar_config(disable=True)
+    thresholds = {0: 0.05, 2: 0.8}  # refinement at two of the steps, as A&E does at 0, 10 and 20 of 50
+    theirs = reference(PROMPT, token_indices=[3, 7], num_inference_steps=4, guidance_scale=7.5, max_iter_to_alter=3,
+                       thresholds=thresholds, scale_factor=20, attn_res=(16, 16), output_type="latent",
+                       generator=torch.Generator().manual_seed(0)).images  # fmt: skip
+    settings = SteeringSettings(("excite",), scale=20, steps=3, resolution=16, thresholds=thresholds)
+    ours = steered_sd(pipe, PROMPT, Guide(excite=[[3], [7]]), settings, num_inference_steps=4, guidance_scale=7.5,
+                      generator=torch.Generator().manual_seed(0), output_type="latent")  # fmt: skip
+    plain = steered_sd(pipe, PROMPT, Guide(), settings, num_inference_steps=4, guidance_scale=7.5,
+                       generator=torch.Generator().manual_seed(0), output_type="latent")  # fmt: skip
+    assert float((ours - plain).norm() / plain.norm()) > 1e-3  # steering moved the sample
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("objective", ["excite", "bind", "layout"])
+def test_each_objective_falls_under_its_own_guidance(tiny_sd, objective):
+    from sdkit.conditioning import CrossAttentionTrace
+    from sdkit.steering import Guide, Steerer, SteeringSettings
+
+    pipe, _ = tiny_sd
+    left = torch.zeros(16, 16)
+    left[:, :8] = 1
+    guide = Guide(excite=[[3], [7]], bind=[([2], [3], [[7]]), ([6], [7], [[3]])], layout=[([2, 3], left), ([6, 7], 1 - left)])
+    settings = SteeringSettings((objective,), scale=5 if objective == "excite" else 200, steps=1, thresholds={})
+    embeds, _ = pipe.encode_prompt(PROMPT, "cpu", 1, False)
+    latents = torch.randn(1, 4, 32, 32, generator=torch.Generator().manual_seed(1))
+    t = pipe.scheduler.timesteps[0] if len(pipe.scheduler.timesteps) else torch.tensor(999)
+    steerer = Steerer(pipe.unet, settings)
+
+    def loss(x):
+        with torch.no_grad(), CrossAttentionTrace(pipe.unet, keep_graph=True) as trace:
+            return float(steerer._losses(trace, x, t, embeds, guide)[0])
+
+    before = loss(latents)
+    after = loss(steerer.step(latents, t, embeds, [guide], 0, 10))
+    assert after < before, (before, after)
+    assert len(steerer.losses) == 1 and steerer.losses[0][2] == pytest.approx(before, rel=1e-5)
+
+
+def test_processors_are_restored_after_steering_and_after_an_error(tiny_sd):
+    from sdkit.steering import Guide, Steerer, SteeringSettings
+
+    pipe, _ = tiny_sd
+    before = dict(pipe.unet.attn_processors)
+    embeds, _ = pipe.encode_prompt(PROMPT, "cpu", 1, False)
+    latents = torch.randn(1, 4, 32, 32, generator=torch.Generator().manual_seed(1))
+    steerer = Steerer(pipe.unet, SteeringSettings(("excite", "bind"), steps=1, thresholds={}))
+    steerer.step(latents, torch.tensor(500), embeds, [Guide(excite=[[3]])], 0, 10)
+    assert all(pipe.unet.attn_processors[k] is v for k, v in before.items())
+    with pytest.raises(IndexError):  # a position past the 77 tokens fails inside the pass
+        steerer.step(latents, torch.tensor(500), embeds, [Guide(excite=[[3]], bind=[([500], [3], [])])], 0, 10)
+    assert all(pipe.unet.attn_processors[k] is v for k, v in before.items())
+
+
+def test_steering_refuses_what_cannot_be(tiny_sd):
+    from sdkit.common import SdkitError
+    from sdkit.steering import Guide, SteeringSettings, check_guides, steered_sd
+
+    pipe, _ = tiny_sd
+    with pytest.raises(SdkitError, match="finite"):
+        SteeringSettings(scale=float("nan")).check()
+    with pytest.raises(SdkitError, match="unknown steering objective 'repel'"):
+        SteeringSettings(("repel",)).check()
+    with pytest.raises(SdkitError, match="outside its 77 tokens"):
+        check_guides([Guide(excite=[[80]])], 77)
+    with pytest.raises(SdkitError, match="no cross-attention layer 'mid_block.nothing'"):
+        steered_sd(pipe, PROMPT, Guide(excite=[[3]]), SteeringSettings(layers=("mid_block.nothing",), steps=1),
+                   num_inference_steps=2, output_type="latent")  # fmt: skip
+    with pytest.raises(SdkitError, match="works at 64x64"):
+        steered_sd(pipe, PROMPT, Guide(excite=[[3]]), SteeringSettings(resolution=64, steps=1), num_inference_steps=2,
+                   output_type="latent")  # fmt: skip

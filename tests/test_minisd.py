@@ -179,12 +179,12 @@ def micro_model(micro_minisd):
 def test_sampling_is_deterministic_by_seed(micro_model, bert):
     pipe = MiniSDPipeline.from_pretrained(micro_model, text_encoder=bert.source)
     prompts = ["a red circle at the top left", "a blue square to the left of a green triangle"]
-    first = pipe(prompts, seeds=[3, 4], steps=3).images
-    again = pipe(prompts, seeds=[3, 4], steps=3).images
-    alone = pipe(prompts[1:], seeds=[4], steps=3).images
+    first = pipe(prompts, num_inference_steps=3, seeds=[3, 4]).images
+    again = pipe(prompts, num_inference_steps=3, seeds=[3, 4]).images
+    alone = pipe(prompts[1:], num_inference_steps=3, seeds=[4]).images
     assert first.shape == (2, 32, 32, 3) and np.array_equal(first, again)
     np.testing.assert_allclose(first[1], alone[0], atol=1e-4)  # batched kernels round a little differently
-    assert not np.allclose(first[0], pipe(prompts[:1], seeds=[5], steps=3).images[0])
+    assert not np.allclose(first[0], pipe(prompts[:1], num_inference_steps=3, seeds=[5]).images[0])
 
 
 def test_pooled_model_reads_one_key_value(bert, tmp_path):

@@ -65,7 +65,7 @@ def cmd_minisd_sample(args) -> None:
     prompts = [p for p in args.prompts for _ in range(args.seeds)]
     seeds = [args.first_seed + s for _ in args.prompts for s in range(args.seeds)]
     with progress_bar(args, total=len(prompts), desc="sampling", unit="image") as bar:
-        out = pipe(prompts, seeds, args.guidance, args.steps, args.sampler, progress=bar)
+        out = pipe(prompts, args.steps, args.guidance, seeds=seeds, sampler=args.sampler, progress=bar)
     title = f"{args.model}: {args.sampler} {args.steps} steps, guidance {args.guidance:g}"
     sample_grid(out.images, prompts, seeds, args.out, title)
     show_result(args, {"model": args.model, "prompts": prompts, "seeds": seeds, "guidance_scale": args.guidance,

@@ -40,12 +40,12 @@ def judge_adapters(pipe: MiniSDPipeline, new: TextEncoder, adapters: dict, sets=
     for set_name in sets:
         scenes = prompt_set(set_name, count)
         captions, seeds = [s.caption for s in scenes], list(range(len(scenes)))
-        out = pipe(captions, seeds, guidance_scale, steps, progress=progress)
+        out = pipe(captions, steps, guidance_scale, seeds=seeds, progress=progress)
         results["native"][set_name] = accuracy([judge(im, s) for im, s in zip(out.images, scenes)])
         for name, adapter in adapters.items():
             embeds = adapted_embeddings(adapter, new, captions)
             negative = adapted_embeddings(adapter, new, [""])
-            out = pipe(captions, seeds, guidance_scale, steps, prompt_embeds=embeds, negative_prompt_embeds=negative,
+            out = pipe(captions, steps, guidance_scale, seeds=seeds, prompt_embeds=embeds, negative_prompt_embeds=negative,
                        progress=progress)  # fmt: skip
             results.setdefault(name, {})[set_name] = accuracy([judge(im, s) for im, s in zip(out.images, scenes)])
     return {"sets": list(sets), "count": count, "guidance_scale": guidance_scale, "steps": steps, "results": results,

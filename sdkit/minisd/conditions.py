@@ -63,7 +63,8 @@ def generate_grouped(pipe: MiniSDPipeline, states: list[torch.Tensor], seeds: li
     for length in lengths:
         index = [i for i, s in enumerate(states) if s.shape[0] == length]
         out = pipe(prompt_embeds=torch.stack([states[i] for i in index]), negative_prompt_embeds=negative,
-                   seeds=[seeds[i] for i in index], guidance_scale=guidance_scale, steps=steps, progress=progress)  # fmt: skip
+                   seeds=[seeds[i] for i in index], guidance_scale=guidance_scale, num_inference_steps=steps,
+                   progress=progress)  # fmt: skip
         for j, i in enumerate(index):
             images[i] = out.images[j]
     return np.stack(images)

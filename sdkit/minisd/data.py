@@ -176,6 +176,29 @@ def sample_at(seed: int, index: int, side: int = DEFAULT_SIDE, pair_fraction: fl
     return render(random_scene(rng, pair_fraction, held_out), side, rng)
 
 
+_SCENES: dict[str, Scene] = {}
+
+
+def parse_caption(caption: str) -> Scene | None:
+    """The scene a caption the generator writes describes (one object at its cell; a pair in the
+    middle row, in the columns its relation gives), or None for any other text."""
+    if not _SCENES:
+        objects = [(c, s) for c in COLOURS for s in SHAPES]
+        for colour, shape in objects:
+            for position in CELLS:
+                for t in range(len(SINGLE_TEMPLATES)):
+                    scene = single_scene(colour, shape, position, t)
+                    _SCENES[scene.caption] = scene
+        for first in objects:
+            for second in objects:
+                for relation in RELATIONS:
+                    for t in range(len(PAIR_TEMPLATES)):
+                        if first != second:
+                            scene = pair_scene(first, relation, second, template=t)
+                            _SCENES[scene.caption] = scene
+    return _SCENES.get(" ".join(caption.split()))
+
+
 def all_captions(held_out: bool = False) -> list[str]:
     """Every caption the generator can write (training ones, or only the held-out ones), sorted."""
     captions = set()

@@ -76,6 +76,8 @@ class Evaluation:
     intervals: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # per set: the model's 95 % intervals
     images: dict[str, np.ndarray] = field(default_factory=dict, repr=False)  # per set, the model's images
     scenes: dict[str, list[Scene]] = field(default_factory=dict, repr=False)
+    steering: dict | None = None  # the settings the model's images were steered with (None: unsteered)
+    seconds_per_image: dict[str, float] = field(default_factory=dict)  # "model" (and "unsteered" beside a steered one)
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -90,8 +92,15 @@ def judge_images(images: np.ndarray, scenes: list[Scene]) -> tuple[dict[str, flo
 
 
 def evaluate(pipe: MiniSDPipeline, sets=SETS, count: int = 64, guidance_scale: float = 4.0, steps: int = 25,
-             sampler: str = "ddim", floors: bool = True, model_name: str = "model", progress=None) -> Evaluation:  # fmt: skip
-    """Generate `count` images per set (image i from seed i) and judge them, with the floors."""
+             sampler: str = "ddim", floors: bool = True, model_name: str = "model", progress=None,
+             steering=None) -> Evaluation:  # fmt: skip
+    """Generate `count` images per set (image i from seed i) and judge them, with the floors.
+
+    With `steering` (sdkit.steering.SteeringSettings), the model's images are steered by guides from
+    their captions, and the same prompts and seeds are also sampled unsteered, beside them
+    ("unsteered"), with the time per image of each."""
+    from dataclasses import asdict as settings_dict
+
     from ..presets import build_unet
 
     start = time.perf_counter()
@@ -99,6 +108,12 @@ def evaluate(pipe: MiniSDPipeline, sets=SETS, count: int = 64, guidance_scale: f
     results: dict[str, dict] = {"model": {}, "judge on generator images": {}, "judge, blurred generator images": {}}
     ev = Evaluation(model_name, guidance_scale, steps, sampler, {n: len(s) for n, s in scenes.items()}, results, 0.0,
                     scenes=scenes)  # fmt: skip
+    timed = {"model": 0.0}
+    if steering is not None:
+        from .steer import caption_guides
+
+        results["unsteered"], timed["unsteered"] = {}, 0.0
+        ev.steering = {k: v for k, v in settings_dict(steering).items() if k != "text_positions"}
     untrained = None
     if floors:
         results["empty prompt"], results["untrained"] = {}, {}
@@ -113,17 +128,30 @@ def evaluate(pipe: MiniSDPipeline, sets=SETS, count: int = 64, guidance_scale: f
         soft = np.stack([blurred(image, sigma, BLUR_NOISE, seed=i) for i, image in enumerate(truth)])
         results["judge, blurred generator images"][name] = judge_images(soft, set_scenes)[0]
         states = pipe.encode(captions)
-        out = pipe(captions, seeds, guidance_scale, steps, sampler, prompt_embeds=states, progress=progress)
+        began = time.perf_counter()
+        guides = None if steering is None else caption_guides(pipe.encoder, captions, pipe.spec.image_size)
+        out = pipe(captions, steps, guidance_scale, seeds=seeds, sampler=sampler, prompt_embeds=states, progress=progress,
+                   steering=steering, guides=guides)  # fmt: skip
+        timed["model"] += time.perf_counter() - began
         results["model"][name], verdicts = judge_images(out.images, set_scenes)
         ev.intervals[name] = accuracy_intervals(verdicts)
         ev.images[name], ev.verdicts[name] = out.images, [v.to_json() for v in verdicts]
+        if steering is not None:
+            began = time.perf_counter()
+            plain = pipe(captions, steps, guidance_scale, seeds=seeds, sampler=sampler, prompt_embeds=states,
+                         progress=progress)  # fmt: skip
+            timed["unsteered"] += time.perf_counter() - began
+            results["unsteered"][name] = judge_images(plain.images, set_scenes)[0]
         if floors:
             empty = pipe.encode([""]).expand(len(captions), -1, -1)
-            blind = pipe(captions, seeds, guidance_scale, steps, sampler, prompt_embeds=empty, progress=progress)
+            blind = pipe(captions, steps, guidance_scale, seeds=seeds, sampler=sampler, prompt_embeds=empty, progress=progress)
             results["empty prompt"][name] = judge_images(blind.images, set_scenes)[0]
-            chance = untrained(captions, seeds, guidance_scale, steps, sampler, prompt_embeds=states, progress=progress)
+            chance = untrained(captions, steps, guidance_scale, seeds=seeds, sampler=sampler, prompt_embeds=states,
+                               progress=progress)
             results["untrained"][name] = judge_images(chance.images, set_scenes)[0]
     ev.seconds = time.perf_counter() - start
+    images = max(sum(ev.counts.values()), 1)
+    ev.seconds_per_image = {k: v / images for k, v in timed.items()}
     return ev
 
 
@@ -132,12 +160,20 @@ def format_evaluation(ev: Evaluation) -> str:
     for name in ev.counts:
         for condition, by_set in ev.results.items():
             acc = by_set[name]
-            rows.append([name if condition == "model" else "", condition, ev.counts[name],
-                         *accuracy_cells(acc)])  # fmt: skip
+            label = "model, steered" if condition == "model" and ev.steering else condition
+            rows.append([name if condition == "model" else "", label, ev.counts[name], *accuracy_cells(acc)])
     title = (f"{ev.model}: judged accuracy, {ev.sampler} {ev.steps} steps, guidance {ev.guidance_scale:g} "
              "(position: the cell for one object, left/right for a pair)")  # fmt: skip
+    if ev.steering:
+        s = ev.steering
+        title += (f"\nsteered: {'+'.join(s['objectives'])}, scale {s['scale']:g}, the first {s['steps']} steps, maps at "
+                  f"{s['resolution']}x{s['resolution']}; beside it the same prompts and seeds unsteered")  # fmt: skip
     out = [format_table(["set", "images from", "n", *HEADERS], rows, title=title)]
     out.append(f"\n{sum(ev.counts.values())} prompts per condition in {ev.seconds:.0f} s")
+    if "unsteered" in ev.seconds_per_image:
+        per = ev.seconds_per_image
+        out.append(f"time per image: steered {per['model']:.2f} s, unsteered {per['unsteered']:.2f} s "
+                   f"({per['model'] / max(per['unsteered'], 1e-9):.2f}x)")  # fmt: skip
     return "\n".join(out)
 
 

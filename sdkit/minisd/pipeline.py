@@ -136,9 +136,10 @@ def read_scheduler_config(folder: str | os.PathLike) -> dict:
 
 @dataclass
 class MiniSDOutput:
-    images: np.ndarray  # (batch, H, W, 3) float32 in [0, 1]
+    images: object  # output_type "np": (batch, H, W, 3) float32 in [0, 1]; "pt": (batch, 3, H, W); "pil": a list
     prompts: list[str]
-    seeds: list[int]
+    seeds: list[int] | None  # None when the noise came from generators
+    steering: list = field(default_factory=list)  # with steering: [step, image, loss] per steered step
 
 
 class MiniSDPipeline:
@@ -188,49 +189,84 @@ class MiniSDPipeline:
             raise SdkitError(f"unknown sampler {name!r}; choose one of {', '.join(classes)}")
         return classes[name].from_config(self.scheduler_config)
 
-    @torch.no_grad()
-    def __call__(self, prompts: list[str] | None = None, seeds: list[int] | None = None, guidance_scale: float = 4.0,
-                 steps: int = 25, sampler: str = "ddim", prompt_embeds: torch.Tensor | None = None,
-                 negative_prompt_embeds: torch.Tensor | None = None, batch_size: int = 64,
+    def __call__(self, prompt: str | list[str] | None = None, num_inference_steps: int = 25,
+                 guidance_scale: float = 4.0, generator=None, seeds: list[int] | None = None, sampler: str = "ddim",
+                 prompt_embeds: torch.Tensor | None = None, negative_prompt_embeds: torch.Tensor | None = None,
+                 output_type: str = "np", steering=None, guides: list | None = None, batch_size: int = 64,
                  progress=None) -> MiniSDOutput:  # fmt: skip
-        """Generate one image per prompt (or per row of prompt_embeds), image i from seeds[i].
+        """Generate one image per prompt (or per row of prompt_embeds), with diffusers' argument names.
 
-        negative_prompt_embeds defaults to the encoding of the empty prompt, as in training.
+        The starting noise of image i comes from seeds[i] (so any image can be made again alone), or
+        from `generator` (one torch.Generator per image, or one for all); by default seeds 0, 1, ...
+        negative_prompt_embeds defaults to the encoding of the empty prompt, as in training. With
+        `steering` (sdkit.steering.SteeringSettings) and one sdkit.steering.Guide per image, the
+        cross-attention is steered before each of the first steering.steps denoising steps.
         """
+        steps = num_inference_steps
         trained = self.scheduler_config.get("num_train_timesteps", 1000)
         if not 1 <= steps <= trained:
             raise SdkitError(f"sampling steps must be 1 to {trained} (the timesteps the model was trained on), not {steps}")
+        if output_type not in ("np", "pt", "pil"):
+            raise SdkitError(f"output_type must be 'np', 'pt' or 'pil', not {output_type!r}")
+        prompts = [prompt] if isinstance(prompt, str) else prompt
         if prompt_embeds is None:
             if not prompts:
                 raise SdkitError("give prompts or prompt_embeds")
             prompt_embeds = self.encode(prompts)
         n = len(prompt_embeds)
         prompts = list(prompts) if prompts is not None else [""] * n
-        seeds = list(seeds) if seeds is not None else list(range(n))
-        if len(seeds) != n or len(prompts) != n:
-            raise SdkitError(f"{n} prompts need {n} seeds (got {len(seeds)})")
+        if generator is None:
+            seeds = list(seeds) if seeds is not None else list(range(n))
+        elif seeds is not None:
+            raise SdkitError("give seeds or generator, not both")
+        noise = self._noise(n, seeds, generator)
+        if len(prompts) != n:
+            raise SdkitError(f"{n} prompt embeddings need {n} prompts (got {len(prompts)})")
+        if steering is not None and (guides is None or len(guides) != n):
+            raise SdkitError(f"steering needs one guide per image ({n}), not {0 if guides is None else len(guides)}")
         if negative_prompt_embeds is None:
             negative_prompt_embeds = self.encode([""]) if self.encoder is not None else torch.zeros_like(prompt_embeds[:1])
         width = self.unet.config.cross_attention_dim
         for name, states in (("prompt_embeds", prompt_embeds), ("negative_prompt_embeds", negative_prompt_embeds)):
             if states.ndim != 3 or states.shape[-1] != width:
                 raise SdkitError(f"{name} must be (batch, tokens, {width}), not {list(states.shape)}")
-        images = []
+        if steering is not None:
+            from ..steering import check_guides
+
+            check_guides(guides, prompt_embeds.shape[1])
+        images, losses = [], []
         for start in range(0, n, batch_size):
             stop = min(start + batch_size, n)
-            images.append(self._generate(prompt_embeds[start:stop], negative_prompt_embeds, seeds[start:stop],
-                                         guidance_scale, steps, sampler))  # fmt: skip
+            part = None if steering is None else guides[start:stop]
+            pixels, steered = self._generate(prompt_embeds[start:stop], negative_prompt_embeds, noise[start:stop],
+                                             guidance_scale, steps, sampler, steering, part)  # fmt: skip
+            images.append(pixels)
+            losses += [[step, start + image, loss] for step, image, loss in steered]
             if progress is not None:
                 progress.update(stop - start)
-        return MiniSDOutput(np.concatenate(images), prompts, seeds)
+        pixels = torch.cat(images)
+        return MiniSDOutput(_as_output(pixels, output_type), prompts, seeds, losses)
 
-    def _generate(self, states, negative, seeds, guidance_scale, steps, sampler) -> np.ndarray:
-        param = next(self.unet.parameters())
+    def _noise(self, n: int, seeds, generator) -> torch.Tensor:
+        """The starting noise, (n, C, H, W): each image's from its seed, or from the generator(s)."""
         side, channels = self.unet.config.sample_size, self.unet.config.in_channels
+        if generator is None:
+            if len(seeds) != n:
+                raise SdkitError(f"{n} prompts need {n} seeds (got {len(seeds)})")
+            generator = [torch.Generator().manual_seed(s) for s in seeds]
+        if isinstance(generator, (list, tuple)):
+            if len(generator) != n:
+                raise SdkitError(f"{n} prompts need {n} generators (got {len(generator)})")
+            return torch.cat([torch.randn(1, channels, side, side, generator=g) for g in generator])
+        return torch.randn(n, channels, side, side, generator=generator)
+
+    @torch.no_grad()
+    def _generate(self, states, negative, noise, guidance_scale, steps, sampler, steering=None, guides=None):
+        """(pixels (batch, 3, H, W) in [-1, 1], the steering losses of this batch)."""
+        param = next(self.unet.parameters())
         scheduler = self.scheduler(sampler)
         scheduler.set_timesteps(steps)
-        sample = torch.cat([torch.randn(1, channels, side, side, generator=torch.Generator().manual_seed(s)) for s in seeds])
-        sample = sample.to(param.device, param.dtype) * scheduler.init_noise_sigma
+        sample = noise.to(param.device, param.dtype) * scheduler.init_noise_sigma
         states = states.to(param.device, param.dtype)
         negative = negative.to(param.device, param.dtype).expand(len(states), *negative.shape[1:])
         guided = guidance_scale != 1.0
@@ -238,7 +274,13 @@ class MiniSDPipeline:
         # otherwise, since padding either with extra tokens would change what the cells read.
         together = guided and negative.shape[1] == states.shape[1]
         context = torch.cat([negative, states]) if together else states
-        for t in scheduler.timesteps:
+        if steering is not None:
+            from ..steering import Steerer
+
+            steerer = Steerer(self.unet, steering)
+        for i, t in enumerate(scheduler.timesteps):
+            if steering is not None:
+                sample = steerer.step(sample, t, states, guides, i, len(scheduler.timesteps))
             model_input = scheduler.scale_model_input(torch.cat([sample, sample]) if together else sample, t)
             eps = self.unet(model_input, t, encoder_hidden_states=context).sample
             if together:
@@ -251,4 +293,16 @@ class MiniSDPipeline:
         if not sample.isfinite().all():
             raise SdkitError(f"sampling gave non-finite pixels (guidance scale {guidance_scale:g}, {steps} steps): the "
                              "guided noise prediction overflowed; use a guidance scale nearer the trained range (1-10)")  # fmt: skip
-        return np.stack([from_model(image) for image in sample])
+        return sample.float().cpu(), (steerer.losses if steering is not None else [])
+
+
+def _as_output(pixels: torch.Tensor, output_type: str):
+    """(batch, 3, H, W) in [-1, 1] -> images in [0, 1], as numpy (H, W, 3), torch (3, H, W) or PIL."""
+    if output_type == "pt":
+        return (pixels / 2 + 0.5).clamp(0, 1)
+    images = np.stack([from_model(image) for image in pixels])
+    if output_type == "np":
+        return images
+    from PIL import Image
+
+    return [Image.fromarray((image * 255).round().astype(np.uint8)) for image in images]
