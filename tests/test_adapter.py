@@ -220,3 +220,17 @@ def test_cli_demo_builds_tiny_encoders_where_no_real_pair_is(cli, tmp_path):
     assert "tiny CLIP-shaped encoders" in report["encoders"]
     assert (tmp_path / "encoders" / "tiny-clip-1024" / "text_encoder" / "config.json").is_file()
     assert (tmp_path / "adapters" / "report.json").is_file() and (tmp_path / "adapters" / "linear").is_dir()
+
+
+def test_a_report_says_when_training_never_beat_its_start(tiny_pair):
+    new, old = tiny_pair
+    prompts = generate_prompts(60, seed=4)
+    # A learning rate this large only makes the mlp (started at the lstsq map) worse.
+    report = compare_adapters(new, old, prompts, ("mlp",), TrainConfig(max_epochs=2, lr=50.0, patience=5), progress=False)
+    assert report.best_epochs == {"mlp": 0}
+    assert report.histories["mlp"][0]["epoch"] == 0 and report.histories["mlp"][-1]["epoch"] == 2
+    text = format_report(report)
+    assert "mlp: 2 epochs never beat the start (epoch 0" in text
+    assert report.methods["mlp"]["rel_mse"] == pytest.approx(report.methods["lstsq"]["rel_mse"], rel=1e-3)
+    report = compare_adapters(new, old, prompts, ("linear",), TrainConfig(max_epochs=3), progress=False)
+    assert report.best_epochs["linear"] > 0 and f"of 3; epoch 0: " in format_report(report)

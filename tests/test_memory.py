@@ -31,6 +31,8 @@ def test_analytic_capacity_matches_exhaustive_measurement(phi, d):
     curve = measure_curve(phi, d, memories, trials=16)
     assert curve.capacity == pytest.approx(predicted, rel=0.25)
     assert not curve.extrapolated
+    lo, hi = curve.interval
+    assert lo <= curve.capacity <= hi and hi / lo < 1.5
 
 
 def test_chunked_equals_unchunked():
@@ -42,7 +44,8 @@ def test_chunked_equals_unchunked():
         assert a == pytest.approx(b, rel=1e-5)
     assert whole[1] == chunked[1]
     # and the streamed SIR at M agrees with the exhaustive one (same store, its first keys as queries)
-    sir, _ = exhaustive("softmax", Store(16, seed=3), 512, beta=4.0)
+    sir, _, powers = exhaustive("softmax", Store(16, seed=3), 512, beta=4.0)
+    assert sir == pytest.approx(1 / float(powers.mean()) ** 0.5)
     assert whole[0][0] == pytest.approx(sir, rel=0.2)
 
 

@@ -145,6 +145,7 @@ class AdapterReport:
     timings: dict[str, float] = field(default_factory=dict)
     unet: str | None = None
     saved: dict[str, str] = field(default_factory=dict)
+    best_epochs: dict[str, int] = field(default_factory=dict)  # per trained kind; 0: training never beat the start
     adapters: dict = field(default_factory=dict, repr=False)  # method -> the adapter itself (not in JSON)
 
     def to_json(self) -> dict:
@@ -207,6 +208,7 @@ def compare_adapters(new: TextEncoder, old: TextEncoder, prompts: list[str], kin
                                                                data_key=data_key)  # fmt: skip
         report.timings[f"{kind}_seconds"] = time.perf_counter() - start
         report.timings[f"{kind}_epochs"] = len(report.histories[kind]) - 1
+        report.best_epochs[kind] = min(report.histories[kind], key=lambda h: h["val_rel_mse"])["epoch"]  # 0: never improved
     report.adapters = adapters
     references: dict = {}
     test_new = test.new.float()
@@ -320,8 +322,15 @@ def format_report(r: AdapterReport) -> str:
                              "validation)", 118)  # fmt: skip
     for kind, history in r.histories.items():
         best_epoch = min(history, key=lambda h: h["val_rel_mse"])
-        out.append(f"{kind}: {len(history) - 1} epochs, best validation relMSE {best_epoch['val_rel_mse']:.4f} "
-                   f"(epoch {best_epoch['epoch']})")  # fmt: skip
+        if best_epoch["epoch"] == 0:  # what was kept is the starting point: say so, not "a tie"
+            start = "its linear skip at the lstsq map" if kind in ("mlp", "mixer") else "its initialisation"
+            out.append(f"{kind}: {len(history) - 1} epochs never beat the start (epoch 0, {start}: validation relMSE "
+                       f"{best_epoch['val_rel_mse']:.4f}; after them {history[-1]['val_rel_mse']:.4f}); the {kind} "
+                       f"kept is that start, so its scores are the start's, not training's")  # fmt: skip
+        else:
+            out.append(f"{kind}: {len(history) - 1} epochs, best validation relMSE {best_epoch['val_rel_mse']:.4f} "
+                       f"(epoch {best_epoch['epoch']} of {len(history) - 1}; epoch 0: {history[0]['val_rel_mse']:.4f}, "
+                       "before training)")  # fmt: skip
     for kind, folder in r.saved.items():
         out.append(f"saved {kind} adapter to {folder}")
     return "\n".join(out)

@@ -155,6 +155,9 @@ def train_adapter(train: tuple, val: tuple, config: TrainConfig, checkpoint: str
         state, best_weights = _load_checkpoint(checkpoint, raw, optimizer, config, fingerprint)
     bar = tqdm(total=config.max_epochs, initial=state["epoch"], desc=f"training {config.kind}", unit="epoch",
                disable=not progress or not accelerator.is_main_process)  # fmt: skip
+    # Epochs are numbered as in the history: epoch 0 is the start, before any training.
+    bar.set_postfix(epoch=state["epoch"], val_rel_mse=f"{state['history'][-1]['val_rel_mse']:.4f}",
+                    best=f"{state['best']:.4f}")  # fmt: skip
     while state["epoch"] < config.max_epochs and state["bad_epochs"] < config.patience:
         model.train()
         loader.set_epoch(state["epoch"])
@@ -187,7 +190,7 @@ def train_adapter(train: tuple, val: tuple, config: TrainConfig, checkpoint: str
         if checkpoint and accelerator.is_main_process:
             _save_checkpoint(checkpoint, raw, optimizer, best_weights, state, config, fingerprint, data_key)
         bar.update(1)
-        bar.set_postfix(val_rel_mse=f"{val_rel:.4f}")
+        bar.set_postfix(epoch=state["epoch"], val_rel_mse=f"{val_rel:.4f}", best=f"{state['best']:.4f}")
         if stop_after is not None and state["epoch"] >= stop_after:
             bar.close()
             raise Interrupted(f"stopped after epoch {state['epoch']}")
