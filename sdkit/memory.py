@@ -492,7 +492,7 @@ def format_report(r: MemoryReport) -> str:
                      count(c["analytic_gaussian"]), measured, "-" if lo is None else f"[{count(lo)}, {count(hi)}]",
                      "yes" if holds else "no", ratio, count(c["searched_to"]), count(c["published"])])  # fmt: skip
     out = [format_table(["phi", "d_k", "beta", "analytic", "gaussian approx", "measured", "95 % interval",
-                         "analytic in it", "meas/analytic", "searched to", "published"], rows,
+                         "analytic in", "meas/an.", "searched to", "published"], rows,
                         title="Capacity M* (SIR = 1) with random unit keys and values (seed 0)")]  # fmt: skip
     out.append(f"Intervals: 95 % bootstrap over the queries of this run (one draw of keys per M): the precision of\n"
                f"the measurement, not the spread between draws. The analytic M* lies inside for {inside} of "
