@@ -11,6 +11,7 @@ in the same time) and judged on the same prompts and seeds: 64 single objects an
     attention 32x32     cross-attention (and self-attention) also at the full-resolution level
     context 77          SD's 77 token positions (zeros past the caption) against 24
     mpnet encoder       all-mpnet-base-v2 (768 wide) in place of all-MiniLM-L6-v2 (384)
+    coordinates         two coordinate channels at the input: a departure from SD 1.x, which has none
 
 Each row writes its model under --out (with a checkpoint, so a killed run resumes) and its result
 into --json as soon as it is judged; a row already in --json with the same settings is not run
@@ -43,6 +44,7 @@ ROWS = {
     "attention 32x32": ({}, ALL_CROSS_ATTENTION, "all-MiniLM-L6-v2"),
     "context 77": ({"context_length": 77}, {}, "all-MiniLM-L6-v2"),
     "mpnet encoder": ({}, {"cross_attention_dim": 768}, "all-mpnet-base-v2"),
+    "coordinates": ({"coordinates": True}, {}, "all-MiniLM-L6-v2"),
 }
 SETS = ("singles", "pairs")
 

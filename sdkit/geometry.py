@@ -10,8 +10,9 @@ VAE_FACTOR = 8
 
 
 def image_factor(config: dict) -> int:
-    """Pixels per grid cell at the U-Net's input: 1 for an RGB (pixel-space) U-Net, else the VAE's 8."""
-    return 1 if config.get("in_channels") == 3 else VAE_FACTOR
+    """Pixels per grid cell at the U-Net's input: 1 for a U-Net that denoises RGB (pixel space: three
+    output channels, whatever it reads beside them), else the VAE's 8."""
+    return 1 if config.get("out_channels", config.get("in_channels")) == 3 else VAE_FACTOR
 
 
 def native_image_size(config: dict) -> int | None:

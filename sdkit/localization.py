@@ -148,7 +148,7 @@ def localize(pipe, images: np.ndarray, scenes, masks: list[list[np.ndarray]], ti
                     baselines[i, k] = {"centre prior": _score(prior, mask, taus), "uniform": _score(uniform, mask, taus)}
         for t in timesteps:
             with CrossAttentionTrace(pipe.unet, maps=True, by_timestep=True) as trace:
-                pipe.unet(_noised(pixels, t, seed + t), t, encoder_hidden_states=states)
+                pipe.unet(pipe.model_input(_noised(pixels, t, seed + t)), t, encoder_hidden_states=states)
             for layer, sums in trace.layers.items():
                 grids[layer] = sums.grid[0] if sums.grid else 0
             for i in range(len(captions)):

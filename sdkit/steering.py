@@ -209,14 +209,15 @@ class Steerer:
     passes the threshold (or max_refinement_steps). The trace is on the U-Net only during these
     extra passes: the denoising passes run on the U-Net's own processors."""
 
-    def __init__(self, unet, settings: SteeringSettings):
+    def __init__(self, unet, settings: SteeringSettings, model_input=None):
         settings.check()
         self.unet, self.settings = unet, settings
+        self.model_input = model_input or (lambda latents: latents)  # what the U-Net reads for the latents
         self.layers: list[str] | None = None
         self.losses: list[list[float]] = []  # per steered step and image: [step, image, loss before its nudge]
 
     def _losses(self, trace, latent, t, embed, guide):
-        self.unet(latent, t, encoder_hidden_states=embed)
+        self.unet(self.model_input(latent), t, encoder_hidden_states=embed)
         size = tuple(latent.shape[-2:])
         if self.layers is None:
             self.layers = steered_layers(trace, self.settings, size)

@@ -256,3 +256,21 @@ def test_compiled_blocks_give_every_gradient_eager_gives():
         worst.append((compiled_error, eager_error, name))
         # bfloat16 rounds either way; compiled must not be further from float32 than eager is
         assert compiled_error <= 2 * eager_error + 0.02, (name, compiled_error, eager_error)
+
+
+def test_a_model_with_coordinate_channels_trains_samples_and_steers(bert, tmp_path):
+    from sdkit.minisd.pipeline import add_coordinates
+    from sdkit.minisd.steer import caption_guides
+    from sdkit.steering import SteeringSettings
+
+    out = tmp_path / "coords"
+    train(out, bert, _settings(coordinates=True), micro_config(bert.width), progress=False, cache_dir=None)
+    pipe = MiniSDPipeline.from_pretrained(out, text_encoder=bert.source)
+    assert pipe.spec.coordinates and pipe.unet.config.in_channels == 5 and pipe.unet.config.out_channels == 3
+    grid = add_coordinates(torch.zeros(1, 3, 4, 6))
+    assert grid[0, 3, 0].tolist() == pytest.approx([-1, -0.6, -0.2, 0.2, 0.6, 1]) and grid[0, 4, :, 0].tolist()[0] == -1
+    prompts = ["a red circle to the left of a blue square"]
+    plain = pipe(prompts, 3, seeds=[0]).images
+    steered = pipe(prompts, 3, seeds=[0], steering=SteeringSettings(("layout",), steps=2, thresholds={}),
+                   guides=caption_guides(bert, prompts, 32)).images  # fmt: skip
+    assert plain.shape == steered.shape == (1, 32, 32, 3) and not np.array_equal(plain, steered)

@@ -46,6 +46,9 @@ class MiniSDSpec:
     conditioning: str = "tokens"  # "tokens": every token state; "pooled": their mean, one key/value
     image_size: int = 32
     space: str = "pixels"  # no VAE: the U-Net denoises RGB in [-1, 1]
+    # Two coordinate channels (x and y in [-1, 1]) beside the pixels at the U-Net's input: a
+    # positional signal SD 1.x does not have (a departure, for the ablation).
+    coordinates: bool = False
     training: dict = field(default_factory=dict)
 
     @classmethod
@@ -83,10 +86,20 @@ class MiniSDSpec:
             return f"space must be 'pixels' (the mini SD has no VAE), not {self.space!r}"
         if not isinstance(self.training, dict):
             return "training must be an object"
+        if not isinstance(self.coordinates, bool):
+            return f"coordinates must be true or false, not {self.coordinates!r}"
         return None
 
     def write(self, folder: str | os.PathLike) -> None:
         write_json(Path(folder) / SPEC_FILE, asdict(self))
+
+
+def add_coordinates(sample: torch.Tensor) -> torch.Tensor:
+    """(batch, C, H, W) -> (batch, C + 2, H, W): the pixels, then x and y, each from -1 to 1."""
+    batch, _, height, width = sample.shape
+    y = torch.linspace(-1, 1, height, dtype=sample.dtype, device=sample.device)[:, None].expand(height, width)
+    x = torch.linspace(-1, 1, width, dtype=sample.dtype, device=sample.device)[None, :].expand(height, width)
+    return torch.cat([sample, torch.stack([x, y]).expand(batch, 2, height, width)], dim=1)
 
 
 def pool_states(states: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
@@ -171,6 +184,10 @@ class MiniSDPipeline:
             DDPMScheduler.from_config(self.scheduler_config).save_pretrained(tmp / "scheduler")
             self.spec.write(tmp)
 
+    def model_input(self, sample: torch.Tensor) -> torch.Tensor:
+        """What the U-Net reads for a (noisy) sample: the pixels, and coordinate channels if it has them."""
+        return add_coordinates(sample) if self.spec.coordinates else sample
+
     def encode(self, prompts: list[str]) -> torch.Tensor:
         """The states the U-Net reads for these prompts, under the model's conditioning."""
         if self.encoder is None:
@@ -249,7 +266,7 @@ class MiniSDPipeline:
 
     def _noise(self, n: int, seeds, generator) -> torch.Tensor:
         """The starting noise, (n, C, H, W): each image's from its seed, or from the generator(s)."""
-        side, channels = self.unet.config.sample_size, self.unet.config.in_channels
+        side, channels = self.unet.config.sample_size, self.unet.config.out_channels
         if generator is None:
             if len(seeds) != n:
                 raise SdkitError(f"{n} prompts need {n} seeds (got {len(seeds)})")
@@ -277,11 +294,11 @@ class MiniSDPipeline:
         if steering is not None:
             from ..steering import Steerer
 
-            steerer = Steerer(self.unet, steering)
+            steerer = Steerer(self.unet, steering, self.model_input)
         for i, t in enumerate(scheduler.timesteps):
             if steering is not None:
                 sample = steerer.step(sample, t, states, guides, i, len(scheduler.timesteps))
-            model_input = scheduler.scale_model_input(torch.cat([sample, sample]) if together else sample, t)
+            model_input = self.model_input(scheduler.scale_model_input(torch.cat([sample, sample]) if together else sample, t))
             eps = self.unet(model_input, t, encoder_hidden_states=context).sample
             if together:
                 uncond, eps = eps.chunk(2)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from ..common import SdkitError, atomic_path
 from ..encoders import TextEncoder, encoder_fingerprint
 from .data import all_captions, sample_at, to_model
-from .pipeline import CONDITIONINGS, SCHEDULER_CONFIG, MiniSDPipeline, MiniSDSpec, pool_states
+from .pipeline import CONDITIONINGS, SCHEDULER_CONFIG, MiniSDPipeline, MiniSDSpec, add_coordinates, pool_states
 
 CHECKPOINT = "checkpoint.safetensors"
 
@@ -52,6 +52,7 @@ class TrainSettings:
     # attention weight like any key; 24 holds every caption and keeps them from drowning it.
     context_length: int = 24
     conditioning: str = "tokens"  # or "pooled": the mean token state, one key/value
+    coordinates: bool = False  # x and y channels at the U-Net's input (a departure from SD 1.x; see MiniSDSpec)
     seed: int = 0
     # "bf16": torch's autocast (bfloat16 convolutions and matmuls on float32 weights), where the
     # device computes bfloat16 natively (this CPU's AMX does it 3-7x faster than float32); "fp32";
@@ -259,6 +260,7 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
         raise SdkitError(f"checkpoint_every must be positive, not {checkpoint_every}")
     config = dict(unet_config or preset_config("minisd"))
     config["sample_size"] = settings.image_size
+    config["in_channels"] = config.get("out_channels", 3) + (2 if settings.coordinates else 0)
     halvings = 2 ** (len(config.get("block_out_channels", ())) - 1)
     if settings.image_size % halvings:
         raise SdkitError(f"image_size {settings.image_size} does not halve {halvings.bit_length() - 1} times "
@@ -310,6 +312,7 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
                                                            accelerator.num_processes)  # fmt: skip
             pixels, states, noise, timesteps = (t.to(accelerator.device) for t in (pixels, states, noise, timesteps))
             noisy = noise_scheduler.add_noise(pixels, noise, timesteps)
+            noisy = add_coordinates(noisy) if settings.coordinates else noisy
             with autocast:
                 prediction = model(noisy, timesteps, encoder_hidden_states=states).sample
             loss = weighted_loss(prediction, noise, timesteps, noise_scheduler, settings)
@@ -345,6 +348,7 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
         ema.copy_to(final.parameters())
         spec = MiniSDSpec(text_encoder=Path(encoder.source).name, layer=encoder.layer, max_length=settings.context_length,
                           conditioning=settings.conditioning, image_size=settings.image_size,
+                          coordinates=settings.coordinates,
                           training={"settings": asdict(settings), "resumed_from_step": start,
                                     "seconds": round(seconds, 1), "samples_per_second": round(result.samples_per_second, 2),
                                     "processes": accelerator.num_processes, "device": str(accelerator.device),
