@@ -35,11 +35,13 @@ def test_markers_named_in_the_cli_are_the_modules_own():
     from sdkit import presets, scoretable
     from sdkit.cli import scoretable as scoretable_cli
     from sdkit.encoders import LAYERS
+    from sdkit.steering import OBJECTIVES
 
     assert scoretable_cli.DTYPES == tuple(scoretable.DTYPES) and cli.PRESET_NAMES.split(", ") == list(presets.PRESETS)
 
-    assert (cli.MODEL_MARKER, cli.ADAPTERS_MARKER, cli.MAPS_MARKER, cli.LAYERS, cli.ADAPTER_KINDS) == \
-        (pipeline.SPEC_FILE, adapter.REPORT_FILE, conditioning.MAPS_FILE, LAYERS, adapter.KINDS)  # fmt: skip
+    assert (cli.MODEL_MARKER, cli.ADAPTERS_MARKER, cli.MAPS_MARKER, cli.LAYERS, cli.ADAPTER_KINDS,
+            cli.STEERING_OBJECTIVES) == \
+        (pipeline.SPEC_FILE, adapter.REPORT_FILE, conditioning.MAPS_FILE, LAYERS, adapter.KINDS, OBJECTIVES)  # fmt: skip
 
 
 def test_minisd_train_never_writes_the_shipped_model_by_default():

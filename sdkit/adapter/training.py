@@ -179,6 +179,8 @@ def train_adapter(train: tuple, val: tuple, config: TrainConfig, checkpoint: str
             total, count = total + loss.item() * len(out), count + len(out)
         model.eval()
         val_rel = validation_error()
+        # every process's share of the epoch's loss, not the main process's alone
+        total, count = accelerator.reduce(torch.tensor([total, float(count)], device=accelerator.device), "sum").tolist()
         state["epoch"] += 1
         state["history"].append({"epoch": state["epoch"], "train_loss": total / max(count, 1), "val_rel_mse": val_rel,
                                  "seconds": time.perf_counter() - epoch_start})  # fmt: skip

@@ -19,6 +19,7 @@ PRESET_NAMES = "sd15, sd21, sdxl, tiny, minisd"  # presets.PRESETS, without impo
 MODEL_MARKER, ADAPTERS_MARKER, MAPS_MARKER = "minisd.json", "report.json", "maps.json"
 LAYERS = ("last", "penultimate")  # encoders.LAYERS
 ADAPTER_KINDS = ("linear", "mlp", "mixer")  # adapter.KINDS
+STEERING_OBJECTIVES = ("excite", "bind", "layout")  # steering.OBJECTIVES
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -111,6 +112,15 @@ def adapter_kinds(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(f"adapter kinds are a comma-separated list of {', '.join(ADAPTER_KINDS)}, "
                                          f"not {text!r}")  # fmt: skip
     return kinds
+
+
+def steering_objectives(text: str) -> tuple[str, ...]:
+    objectives = tuple(dict.fromkeys(o for o in text.split(",") if o))
+    unknown = [o for o in objectives if o not in STEERING_OBJECTIVES]
+    if unknown or not objectives:
+        raise argparse.ArgumentTypeError(f"steering objectives are a comma-separated list of "
+                                         f"{', '.join(STEERING_OBJECTIVES)}, not {text!r}")  # fmt: skip
+    return objectives
 
 
 def seed(text: str) -> int:

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import asdict
 
 from ..common import SdkitError
-from .common import (MODEL_MARKER, Parser, add_json, check_input, check_outputs, nonnegative_float, positive_float,
-                     positive_int, progress_bar, seed, show_result)  # fmt: skip
+from .common import (MODEL_MARKER, Parser, add_json, check_input, check_outputs, nonnegative_float, nonnegative_int,
+                     positive_float, positive_int, progress_bar, refuse_options, seed, show_result,
+                     steering_objectives)  # fmt: skip
+
+STEERING_OPTIONS = ("guide_scale", "guide_steps", "guide_resolution", "guide_layers")
 
 
 def cmd_minisd(args) -> None:
@@ -35,8 +39,6 @@ def cmd_minisd_train(args) -> None:
     encoder = load_text_encoder(folder, allow_pickle=args.allow_pickle)
     result = train(args.out, encoder, settings, checkpoint_dir=args.checkpoints, checkpoint_every=args.checkpoint_every,
                    cache_dir=args.cache, progress=not args.json)  # fmt: skip
-    from dataclasses import asdict
-
     last = result.history[-1]["loss"] if result.history else float("nan")
     if result.resumed_from == result.steps:
         table = (f"the checkpoint already holds all {result.steps} steps: nothing left to train (last loss {last:.4f})"
@@ -55,21 +57,50 @@ def _pipeline(args):
     return MiniSDPipeline.from_pretrained(args.model, args.text_encoder, args.encoders_dir, allow_pickle=args.allow_pickle)
 
 
+def _steering(args):
+    """SteeringSettings from --guide and its options (None without --guide, which they need)."""
+    if not args.guide:
+        refuse_options(args, STEERING_OPTIONS, "without --guide")
+        return None
+    from ..steering import SteeringSettings
+
+    layers = tuple(n for n in args.guide_layers.split(",") if n) if args.guide_layers else None
+    settings = SteeringSettings(objectives=args.guide, scale=args.guide_scale, steps=args.guide_steps,
+                                resolution=args.guide_resolution, layers=layers or None)  # fmt: skip
+    settings.check()
+    return settings
+
+
+def _steering_title(settings) -> str:
+    where = ", ".join(settings.layers) if settings.layers else f"maps at {settings.resolution}x{settings.resolution}"
+    return f"steered by {'+'.join(settings.objectives)} (scale {settings.scale:g}, first {settings.steps} steps, {where})"
+
+
 def cmd_minisd_sample(args) -> None:
     check_outputs(args, pictures=("out",), inputs=[args.model, args.text_encoder])
     from ..minisd.evaluate import sample_grid
 
     if args.first_seed + args.seeds > 2**63:
         raise SdkitError(f"--first-seed {args.first_seed} + {args.seeds} seeds passes the largest seed, 2^63 - 1")
+    steering = _steering(args)
     pipe = _pipeline(args)
     prompts = [p for p in args.prompts for _ in range(args.seeds)]
     seeds = [args.first_seed + s for _ in args.prompts for s in range(args.seeds)]
+    guides = None
+    if steering is not None:
+        from ..minisd.steer import caption_guides
+
+        guides = caption_guides(pipe.encoder, prompts, pipe.spec.image_size)
     with progress_bar(args, total=len(prompts), desc="sampling", unit="image") as bar:
-        out = pipe(prompts, args.steps, args.guidance, seeds=seeds, sampler=args.sampler, progress=bar)
+        out = pipe(prompts, args.steps, args.guidance, seeds=seeds, sampler=args.sampler, progress=bar,
+                   steering=steering, guides=guides)  # fmt: skip
     title = f"{args.model}: {args.sampler} {args.steps} steps, guidance {args.guidance:g}"
+    if steering is not None:
+        title += f", {_steering_title(steering)}"
     sample_grid(out.images, prompts, seeds, args.out, title)
+    steered = None if steering is None else {k: v for k, v in asdict(steering).items() if k != "text_positions"}
     show_result(args, {"model": args.model, "prompts": prompts, "seeds": seeds, "guidance_scale": args.guidance,
-                   "steps": args.steps, "sampler": args.sampler, "grid": args.out},
+                   "steps": args.steps, "sampler": args.sampler, "steering": steered, "grid": args.out},
             f"wrote {len(prompts)} images to {args.out} ({title})")  # fmt: skip
 
 
@@ -83,11 +114,12 @@ def cmd_minisd_eval(args) -> None:
     unknown = set(sets) - set(SETS)
     if unknown:
         raise SdkitError(f"unknown prompt set {sorted(unknown)[0]!r}; choose from {', '.join(SETS)}")
+    steering = _steering(args)
     pipe = _pipeline(args)
-    images = args.count * len(sets) * (1 if args.no_floors else 3)
+    images = args.count * len(sets) * (1 + (0 if args.no_floors else 2) + (steering is not None))
     with progress_bar(args, total=images, desc="generating", unit="image") as bar:
         ev = evaluate(pipe, sets, args.count, args.guidance, args.steps, args.sampler, floors=not args.no_floors,
-                      model_name=args.model, progress=bar)  # fmt: skip
+                      model_name=args.model, progress=bar, steering=steering)  # fmt: skip
     table = format_evaluation(ev)
     if args.panel:
         draw_panel(ev, args.panel)
@@ -116,6 +148,15 @@ def register(sub) -> None:
         q.add_argument("--guidance", type=nonnegative_float, default=4.0, help="classifier-free guidance scale")
         q.add_argument("--steps", type=positive_int, default=25, help="sampling steps")
         q.add_argument("--sampler", choices=("ddim", "dpm"), default="ddim", help="DDIM or DPM-Solver++")
+        q.add_argument("--guide", type=steering_objectives, metavar="OBJECTIVES",
+                       help="steer the cross-attention by these objectives, comma-separated: excite "
+                            "(Attend-and-Excite), bind (colour words onto their shapes), layout (each object into "
+                            "its part of the image); guides come from the captions")  # fmt: skip
+        q.add_argument("--guide-scale", type=nonnegative_float, default=20.0, help="steering step size (A&E's scale)")
+        q.add_argument("--guide-steps", type=nonnegative_int, default=10, help="steer the first this many steps")
+        q.add_argument("--guide-resolution", type=positive_int, default=16,
+                       help="steer the maps of the cross-attention layers at this grid side")  # fmt: skip
+        q.add_argument("--guide-layers", metavar="NAMES", help="or steer exactly these layers (comma-separated)")
         encoder_options(q)
         add_json(q)
 

@@ -167,9 +167,12 @@ def batch_at(step: int, settings: TrainSettings, captions: CaptionStates, proces
     texts = ["" if random.Random(f"drop:{settings.seed}:{i}").random() < settings.empty_fraction else s.caption
              for i, s in zip(range(first, first + per_process), samples)]  # fmt: skip
     pixels = torch.from_numpy(np.stack([to_model(s.image) for s in samples]))
-    generator = torch.Generator().manual_seed(hash_seed(settings.seed, step, process))
-    noise = torch.randn(pixels.shape, generator=generator)
-    timesteps = torch.randint(0, SCHEDULER_CONFIG["num_train_timesteps"], (per_process,), generator=generator)
+    # The whole batch's noise and timesteps, of which this process takes its share: drawn per
+    # process, a batch over two processes would be another batch than over one.
+    generator = torch.Generator().manual_seed(hash_seed(settings.seed, step, 0))
+    share = slice(process * per_process, (process + 1) * per_process)
+    noise = torch.randn((settings.batch_size, *pixels.shape[1:]), generator=generator)[share]
+    timesteps = torch.randint(0, SCHEDULER_CONFIG["num_train_timesteps"], (settings.batch_size,), generator=generator)[share]
     return pixels, captions.lookup(texts, settings.conditioning), noise, timesteps, texts
 
 
@@ -246,7 +249,7 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
     With `checkpoint_dir`, the full state (weights, EMA, optimizer, step) is written there every
     `checkpoint_every` steps, and a run that finds a checkpoint of the same run resumes from it.
     """
-    from accelerate import Accelerator, PartialState
+    from accelerate import Accelerator
     from diffusers import DDPMScheduler
     from diffusers.models.attention_processor import AttnProcessor
     from diffusers.training_utils import EMAModel
@@ -268,12 +271,13 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
     if config.get("cross_attention_dim") != encoder.width:
         raise SdkitError(f"the U-Net config reads {config.get('cross_attention_dim')}-wide states, the text encoder "
                          f"gives {encoder.width}")  # fmt: skip
-    device = PartialState().device
-    settings = replace(settings, precision=resolve_precision(settings.precision, device))
     # Precision and compilation are set here, not through Accelerator(mixed_precision=...,
     # dynamo_backend=...): accelerate keeps those in a process-wide state that a second run in the
-    # same process (a notebook, the ablation) could not change.
+    # same process (a notebook, the ablation) could not change. The Accelerator comes first: a
+    # PartialState made before it would fix that state as one process, whatever the launcher said.
     accelerator = Accelerator()
+    device = accelerator.device
+    settings = replace(settings, precision=resolve_precision(settings.precision, device))
     if settings.batch_size % accelerator.num_processes:
         raise SdkitError(f"batch size {settings.batch_size} does not split over {accelerator.num_processes} processes")
     captions = encode_captions(encoder, ["", *all_captions()], cache_dir, progress=progress and accelerator.is_main_process)

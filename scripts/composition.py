@@ -1,0 +1,213 @@
+"""Where the mini SD loses composition, and what steering wins back: the README's Composition section.
+
+    python scripts/composition.py [--model weights/minisd] [--count 64] [--skip probe,leakage,steering]
+
+Writes to MODEL/findings/ and prints each table:
+  probe.json                   linear probes of the token states (all-MiniLM-L6-v2 and all-mpnet-base-v2):
+                               is binding and left/right in the text the U-Net reads?
+  leakage.json, leakage.png    attention leakage per layer and timestep, generator pair images and the
+                               model's own, split by the judge's verdict
+  steering.json                each steering objective alone and combined, on the same prompts and
+                               seeds as unsteered sampling (singles and pairs), with 95 % intervals
+  composition.png              the same seeds unsteered and steered, with both objects' shape-word maps
+Needs the real encoders (python scripts/get_real_encoders.py). About 15 minutes on 2 CPU cores.
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from sdkit.common import save_figure, write_json
+from sdkit.encoders import load_text_encoder
+from sdkit.minisd.evaluate import evaluate, format_evaluation, prompt_set, wrap_words
+from sdkit.minisd.judge import HEADERS, accuracy_cells
+from sdkit.minisd.pipeline import MiniSDPipeline
+from sdkit.steering import SteeringSettings
+
+# Each objective alone, then the combinations worth trying; the best on pairs is the README's.
+STEERING_ROWS = (("excite",), ("bind",), ("layout",), ("layout", "bind"), ("excite", "layout"),
+                 ("excite", "bind", "layout"))  # fmt: skip
+MAP_TIMESTEP = 300  # the maps drawn in composition.png: the final image noised to here
+
+
+def probe(encoders: Path, out: Path) -> None:
+    from sdkit.minisd.probe import format_probe, run_probe
+
+    reports = [run_probe(load_text_encoder(str(encoders / name))) for name in ("all-MiniLM-L6-v2", "all-mpnet-base-v2")]
+    print(format_probe(reports), flush=True)
+    write_json(out / "probe.json", {"reports": [r.to_json() for r in reports]})
+
+
+def leakage(pipe, model: str, count: int, out: Path) -> None:
+    from sdkit.localization import generator_set
+    from sdkit.minisd.leakage import format_leakage, generated_pairs, measure
+
+    images, scenes, masks = generator_set(2 * count, pipe.spec.image_size)  # half of them pairs
+    on_generator = measure(pipe, images, scenes, masks, model_name=model, source="generator")
+    images, scenes, masks, verdicts = generated_pairs(pipe, count)
+    on_generated = measure(pipe, images, scenes, masks, verdicts=verdicts, model_name=model, source="generated")
+    for report in (on_generator, on_generated):
+        print(format_leakage(report), flush=True)
+    write_json(out / "leakage.json", {"generator": on_generator.to_json(), "generated": on_generated.to_json()})
+    draw_leakage(on_generator, on_generated, out / "leakage.png")
+
+
+def draw_leakage(on_generator, on_generated, path) -> None:
+    """Heat maps, layer x timestep: colour-word leakage on generator and generated pairs, and how well
+    colour leakage and the relation word's share tell right verdicts from wrong (AUC)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = [r["layer"] for r in on_generator.rows if r["timestep"] == on_generator.timesteps[0]]
+    timesteps = on_generator.timesteps
+
+    def grid(rows, key):
+        by = {(r["layer"], r["timestep"]): r[key] for r in rows}
+        return np.array([[np.nan if by.get((l, t)) is None else by[(l, t)] for t in timesteps] for l in layers])
+
+    panels = [(grid(on_generator.rows, "colour"), "colour-word leakage\ngenerator pairs", (0, 1)),
+              (grid(on_generated.rows, "colour"), "colour-word leakage\nmodel's pairs", (0, 1)),
+              (grid(on_generated.by_verdict, "colour AUC"), "colour leakage AUC\nswapped vs bound", (0.3, 0.7)),
+              (grid(on_generated.by_verdict, "relation AUC"), "relation-word share AUC\nright vs wrong", (0.3, 0.7))]
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.3 * len(panels) + 2.5, 0.42 * len(layers) + 1.6), dpi=110,
+                             sharey=True)  # fmt: skip
+    for ax, (values, title, limits) in zip(axes, panels):
+        image = ax.imshow(values, cmap="coolwarm", vmin=limits[0], vmax=limits[1], aspect="auto")
+        for (r, c), v in np.ndenumerate(values):
+            if not np.isnan(v):
+                ax.text(c, r, f"{v:.2f}", ha="center", va="center", fontsize=6.5)
+        ax.set_xticks(range(len(timesteps)), [str(t) for t in timesteps], fontsize=7)
+        ax.set_xlabel("timestep", fontsize=7)
+        ax.set_title(title, fontsize=8)
+        fig.colorbar(image, ax=ax, fraction=0.05)
+    axes[0].set_yticks(range(len(layers)), [l.split(".transformer")[0] for l in layers], fontsize=7)
+    groups = ", ".join(f"{k} {v}" for k, v in on_generated.groups.items())
+    fig.suptitle(f"{on_generator.model}: where colour words leak onto the other object (0 own, 0.5 either, 1 the "
+                 f"other) and which layers tell the judge's verdicts apart (AUC 0.5: not at all; images: {groups})",
+                 fontsize=8)  # fmt: skip
+    save_figure(fig, path)
+
+
+def steering(pipe, model: str, count: int, scale: float, steps: int, out: Path) -> dict:
+    rows, best = [], None
+    for objectives in STEERING_ROWS:
+        settings = SteeringSettings(objectives=objectives, scale=scale, steps=steps)
+        ev = evaluate(pipe, ("singles", "pairs"), count, floors=False, model_name=model, steering=settings)
+        print(format_evaluation(ev), flush=True)
+        row = {"objectives": list(objectives), "steered": ev.results["model"], "unsteered": ev.results["unsteered"],
+               "intervals": ev.intervals, "seconds_per_image": ev.seconds_per_image,
+               "verdicts": ev.verdicts}  # fmt: skip
+        rows.append(row)
+        if best is None or row["steered"]["pairs"]["all"] > best["steered"]["pairs"]["all"]:
+            best = row
+    result = {"model": model, "count": count, "scale": scale, "steps": steps, "sampler": "ddim", "sampling_steps": 25,
+              "guidance_scale": 4.0, "rows": rows, "best": best["objectives"]}  # fmt: skip
+    print(format_steering(result), flush=True)
+    write_json(out / "steering.json", result)
+    return result
+
+
+def format_steering(result: dict) -> str:
+    from sdkit.common import format_table
+
+    plain = result["rows"][0]["unsteered"]
+    table = [["unsteered", "pairs", *accuracy_cells(plain["pairs"]), "1.00x"]]
+    table.append(["", "singles", *accuracy_cells(plain["singles"]), ""])
+    for row in result["rows"]:
+        per = row["seconds_per_image"]
+        name = "+".join(row["objectives"]) + (" (best)" if row["objectives"] == result["best"] else "")
+        table.append([name, "pairs", *accuracy_cells(row["steered"]["pairs"]), f"{per['model'] / per['unsteered']:.2f}x"])
+        table.append(["", "singles", *accuracy_cells(row["steered"]["singles"]), ""])
+    return format_table(["steering", "set", *HEADERS, "time"], table,
+                        title=f"{result['model']}: steered against unsteered on the same {result['count']} prompts and "
+                              f"seeds per set (scale {result['scale']:g}, first {result['steps']} of 25 steps)")  # fmt: skip
+
+
+def word_maps(pipe, image: np.ndarray, scene) -> list[np.ndarray]:
+    """Each object's shape-word map on an image noised to MAP_TIMESTEP, all layers."""
+    from sdkit.conditioning import CrossAttentionTrace
+    from sdkit.encoders import token_roles
+    from sdkit.localization import _noised, object_words
+    from sdkit.minisd.data import to_model
+
+    pixels = torch.from_numpy(to_model(image))[None]
+    with torch.no_grad(), CrossAttentionTrace(pipe.unet, maps=True) as trace:
+        pipe.unet(pipe.model_input(_noised(pixels, MAP_TIMESTEP, 0)), MAP_TIMESTEP,
+                  encoder_hidden_states=pipe.encode([scene.caption]))  # fmt: skip
+    maps = trace.token_maps(item=0, size=image.shape[:2])
+    words = object_words(token_roles(pipe.encoder.tokenizer, scene.caption, pipe.spec.max_length), scene.objects)
+    return [maps[w["positions"]].sum(0).numpy() for w in words if w["kind"] == "shape"]
+
+
+def draw_composition(pipe, result: dict, count: int, path, shown: int = 4) -> None:
+    """Unsteered against steered (the best objectives) on the same seeds, each with both shape-word maps:
+    the first pairs the best steering turns from wrong to right, then others."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    best = next(r for r in result["rows"] if r["objectives"] == result["best"])
+    steered_right = [v["all"] for v in best["verdicts"]["pairs"]]
+    scenes = prompt_set("pairs", count)
+    order = sorted(range(count), key=lambda i: not steered_right[i])[:shown]
+    captions, seeds = [scenes[i].caption for i in order], order
+    settings = SteeringSettings(objectives=tuple(result["best"]), scale=result["scale"], steps=result["steps"])
+    from sdkit.minisd.steer import caption_guides
+
+    plain = pipe(captions, 25, 4.0, seeds=seeds).images
+    steered = pipe(captions, 25, 4.0, seeds=seeds, steering=settings,
+                   guides=caption_guides(pipe.encoder, captions, pipe.spec.image_size)).images  # fmt: skip
+    fig, axes = plt.subplots(len(order), 6, figsize=(9.5, 1.75 * len(order) + 0.6), dpi=110, squeeze=False)
+    for r, i in enumerate(order):
+        for c, (name, images) in enumerate((("unsteered", plain), ("+".join(result["best"]), steered))):
+            maps = word_maps(pipe, images[r], scenes[i])
+            shapes = [o.shape for o in scenes[i].objects]
+            panels = [(images[r], name), *((m, f"'{s}' map") for m, s in zip(maps, shapes))]
+            for k, (picture, title) in enumerate(panels):
+                ax = axes[r, 3 * c + k]
+                ax.imshow(picture, interpolation="nearest", cmap=None if k == 0 else "magma")
+                ax.set_title(title, fontsize=7)
+                ax.axis("off")
+        axes[r, 0].text(-0.1, 0.5, wrap_words(scenes[i].caption, 20), transform=axes[r, 0].transAxes, ha="right",
+                        va="center", fontsize=6.5)  # fmt: skip
+    fig.suptitle(f"{result['model']}: the same seeds unsteered and steered by {'+'.join(result['best'])}, with each "
+                 f"shape word's attention (all layers, the image noised to t={MAP_TIMESTEP})", fontsize=8)  # fmt: skip
+    save_figure(fig, path)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="weights/minisd")
+    parser.add_argument("--count", type=int, default=64, help="prompts per set")
+    parser.add_argument("--scale", type=float, default=20.0, help="steering scale")
+    parser.add_argument("--steering-steps", type=int, default=10, help="steer the first this many of 25 steps")
+    parser.add_argument("--out", default=None, help="where to write (default: MODEL/findings)")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: probe,leakage,steering")
+    parser.add_argument("--encoders", default="weights/encoders", help="where the real encoders are")
+    args = parser.parse_args()
+    out = Path(args.out or Path(args.model) / "findings")
+    out.mkdir(parents=True, exist_ok=True)
+    skip = set(args.skip.split(","))
+    start = time.perf_counter()
+    if "probe" not in skip:
+        probe(Path(args.encoders), out)
+    pipe = MiniSDPipeline.from_pretrained(args.model, encoders_dir=args.encoders)
+    pipe.unet.eval()
+    if "leakage" not in skip:
+        leakage(pipe, args.model, args.count, out)
+    if "steering" not in skip:
+        result = steering(pipe, args.model, args.count, args.scale, args.steering_steps, out)
+        draw_composition(pipe, result, args.count, out / "composition.png")
+    print(f"\nwrote {out} ({time.perf_counter() - start:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
