@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from sdkit.common import peak_rss
-from sdkit.conditioning import CrossAttentionTrace
+from sdkit.trace import CrossAttentionTrace
 from sdkit.presets import build_unet, preset_config
 
 

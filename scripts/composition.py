@@ -131,7 +131,7 @@ def format_steering(result: dict) -> str:
 
 def word_maps(pipe, image: np.ndarray, scene) -> list[np.ndarray]:
     """Each object's shape-word map on an image noised to MAP_TIMESTEP, all layers."""
-    from sdkit.conditioning import CrossAttentionTrace
+    from sdkit.trace import CrossAttentionTrace
     from sdkit.encoders import token_roles
     from sdkit.localization import _noised, object_words
     from sdkit.minisd.data import to_model

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .common import format_table
-from .conditioning import CrossAttentionTrace
+from .trace import CrossAttentionTrace
 from .encoders import ROLES, TokenRoles, token_roles
 
 DAAM_TAU = 0.4

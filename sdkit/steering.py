@@ -233,7 +233,7 @@ class Steerer:
     def step(self, latents: torch.Tensor, t, embeds: torch.Tensor, guides: list[Guide], index: int,
              total_steps: int) -> torch.Tensor:  # fmt: skip
         """The latents (batch, C, H, W) nudged for denoising step `index`; unchanged past `steps`."""
-        from .conditioning import CrossAttentionTrace
+        from .trace import CrossAttentionTrace
 
         if index >= self.settings.steps or not guides:
             return latents

@@ -233,4 +233,4 @@ def test_a_report_says_when_training_never_beat_its_start(tiny_pair):
     assert "mlp: 2 epochs never beat the start (epoch 0" in text
     assert report.methods["mlp"]["rel_mse"] == pytest.approx(report.methods["lstsq"]["rel_mse"], rel=1e-3)
     report = compare_adapters(new, old, prompts, ("linear",), TrainConfig(max_epochs=3), progress=False)
-    assert report.best_epochs["linear"] > 0 and f"of 3; epoch 0: " in format_report(report)
+    assert report.best_epochs["linear"] > 0 and "of 3; epoch 0: " in format_report(report)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from sdkit.minisd.data import COLOURS, RELATIONS, SHAPES
-from sdkit.minisd.probe import fit_probe, pair_captions, probe_accuracy, probe_examples, run_probe
+from sdkit.minisd.probe import fit_probe, pair_captions, probe_accuracy, run_probe
 
 
 def test_pair_captions_are_every_pair_the_generator_writes():
@@ -91,7 +91,7 @@ def test_excite_is_diffusers_attend_and_excite(tiny_sd):
 
 @pytest.mark.parametrize("objective", ["excite", "bind", "layout"])
 def test_each_objective_falls_under_its_own_guidance(tiny_sd, objective):
-    from sdkit.conditioning import CrossAttentionTrace
+    from sdkit.trace import CrossAttentionTrace
     from sdkit.steering import Guide, Steerer, SteeringSettings
 
     pipe, _ = tiny_sd

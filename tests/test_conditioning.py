@@ -5,16 +5,10 @@ import torch
 from diffusers.models.attention_processor import AttnProcessor2_0, SlicedAttnProcessor
 
 from sdkit.common import SdkitError
-from sdkit.conditioning import (
-    CaptureProcessor,
-    CrossAttentionTrace,
-    compare_conditionings,
-    prompt_conditionings,
-    synthetic_conditionings,
-    write_maps,
-)
+from sdkit.conditioning import compare_conditionings, prompt_conditionings, synthetic_conditionings, write_maps
 from sdkit.encoders import load_text_encoder, token_roles
 from sdkit.presets import build_unet, preset_config
+from sdkit.trace import CaptureProcessor, CrossAttentionTrace
 
 
 def _check_single_vs_multi(comparison):
@@ -208,8 +202,9 @@ def test_maps_per_prompt_are_each_prompts_own(tiny_unet, tmp_path):
             assert a[layer]["token_mass"] == pytest.approx(b[layer]["token_mass"], rel=1e-4, abs=1e-7)
     assert not torch.allclose(both.token_maps(item=0), both.token_maps(item=1))
     assert {t for _, t in both.map_keys()} == {900, 100}
-    with pytest.raises(SdkitError, match="no maps"):
+    with pytest.raises(SdkitError, match=r"no maps match .*timesteps 100, 900") as caught:
         both.token_maps(timesteps=[500])
+    assert "grid sides 2, 4, 8, 16" in str(caught.value) and "up_blocks" in str(caught.value)
     both.save_maps(tmp_path / "maps.safetensors")
     from safetensors.torch import load_file
 

@@ -69,7 +69,7 @@ def micro_pipes(tmp_path_factory):
 
 
 def test_the_pooled_model_reads_one_key_value(micro_pipes):
-    from sdkit.conditioning import CrossAttentionTrace
+    from sdkit.trace import CrossAttentionTrace
 
     pipe = micro_pipes["pooled"]
     states = pipe.encode(["a red circle at the top", "a blue square to the left of a green triangle"])

@@ -1,12 +1,13 @@
 """The `sdkit` command: a thin layer over the library. Each command family is one small module that
 declares its flags next to the function that runs it, and calls library functions:
 
-    audit.py       sdkit audit          sdkit.audit.audit
+    audit.py       sdkit audit          sdkit.audit.audit (--compute: sdkit.compute.compute, sweep)
     scoretable.py  sdkit scoretable     sdkit.scoretable.score_tables, measure
     condition.py   sdkit condition      sdkit.conditioning.compare_conditionings (and, on a mini SD,
                                         sdkit.localization.localize, sdkit.minisd.conditions)
     adapter.py     sdkit adapter        sdkit.adapter.compare_adapters, adapted_embeddings
     minisd.py      sdkit minisd         sdkit.minisd.train.train, MiniSDPipeline, evaluate.evaluate
+                                        (--guide: sdkit.steering, sdkit.minisd.steer.caption_guides)
     memory.py      sdkit memory         sdkit.memory.run
     common.py      the parser class, argument types, output checks, table or JSON
 """

@@ -160,7 +160,7 @@ def register(sub) -> None:
         encoder_options(q)
         add_json(q)
 
-    q = minisd_sub.add_parser("train", help="train a mini SD (the shipped one: the defaults, ~23 min on 2 CPU cores)")
+    q = minisd_sub.add_parser("train", help="train a mini SD (the shipped recipe: ~13 min on 2 CPU cores)")
     q.add_argument("--out", default="out/minisd",
                    help="save the model folder here: a new or empty folder, or a mini SD folder, whose model is "
                         "replaced (other files in it are kept); the shipped model is weights/minisd")  # fmt: skip

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..common import format_table
-from ..conditioning import CrossAttentionTrace
+from ..trace import CrossAttentionTrace
 from ..encoders import token_roles
 from ..localization import _noised, object_words
 from .data import to_model
