@@ -14,6 +14,7 @@ Needs the real encoders (python scripts/get_real_encoders.py). About 15 minutes 
 """
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -168,8 +169,8 @@ def draw_composition(pipe, result: dict, count: int, path, shown: int = 4) -> No
     for r, i in enumerate(order):
         for c, (name, images) in enumerate((("unsteered", plain), ("+".join(result["best"]), steered))):
             maps = word_maps(pipe, images[r], scenes[i])
-            shapes = [o.shape for o in scenes[i].objects]
-            panels = [(images[r], name), *((m, f"'{s}' map") for m, s in zip(maps, shapes))]
+            names = [f"'{o.shape}' ({o.colour})" for o in scenes[i].objects]  # the word, and which object
+            panels = [(images[r], name), *zip(maps, names)]
             for k, (picture, title) in enumerate(panels):
                 ax = axes[r, 3 * c + k]
                 ax.imshow(picture, interpolation="nearest", cmap=None if k == 0 else "magma")
@@ -189,7 +190,7 @@ def main() -> int:
     parser.add_argument("--scale", type=float, default=20.0, help="steering scale")
     parser.add_argument("--steering-steps", type=int, default=10, help="steer the first this many of 25 steps")
     parser.add_argument("--out", default=None, help="where to write (default: MODEL/findings)")
-    parser.add_argument("--skip", default="", help="comma-separated parts to skip: probe,leakage,steering")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: probe,leakage,steering,picture")
     parser.add_argument("--encoders", default="weights/encoders", help="where the real encoders are")
     args = parser.parse_args()
     out = Path(args.out or Path(args.model) / "findings")
@@ -204,7 +205,9 @@ def main() -> int:
         leakage(pipe, args.model, args.count, out)
     if "steering" not in skip:
         result = steering(pipe, args.model, args.count, args.scale, args.steering_steps, out)
-        draw_composition(pipe, result, args.count, out / "composition.png")
+    if "picture" not in skip:
+        result = json.loads((out / "steering.json").read_text())
+        draw_composition(pipe, result, result["count"], out / "composition.png")
     print(f"\nwrote {out} ({time.perf_counter() - start:.0f} s)")
     return 0
 

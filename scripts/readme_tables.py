@@ -174,7 +174,7 @@ def _count(x: float) -> str:
 def memory_table() -> str:
     rows = []
     for c in load("memory")["capacities"]:
-        ci = c.get("interval")
+        ci = c.get("measured_interval")
         measured = _count(c["measured"]) + (f" [{_count(ci[0])}, {_count(ci[1])}]" if ci else "")
         measured += " (extrapolated)" if c["extrapolated"] else ""
         rows.append([c["phi"], c["d"], _count(c["analytic"]), measured, f"{c['measured'] / c['analytic']:.2f}",
@@ -250,7 +250,7 @@ def write_readme(path: Path = ROOT / "README.md") -> list[str]:
     """Rewrite every table block in README.md from its data; returns the names of blocks not found."""
     text, missing = path.read_text(), []
     for name in TABLES:
-        pattern = re.compile(rf"<!-- {re.escape(name)} -->\n.*?\n<!-- /{re.escape(name)} -->", re.S)
+        pattern = re.compile(rf"<!-- {re.escape(name)} -->\n(?:.*?\n)?<!-- /{re.escape(name)} -->", re.S)
         if not pattern.search(text):
             missing.append(name)
             continue

@@ -147,7 +147,7 @@ def run(quick: bool = False, encoders_dir="weights/encoders", minisd_dir="weight
     real = not quick and (encoder_dir / "config.json").is_file()
     pipe = None
     if real and (Path(minisd_dir) / "minisd.json").is_file():  # loaded first: a model that cannot run is said now
-        from .minisd.pipeline import MiniSDPipeline
+        from ..minisd.pipeline import MiniSDPipeline
 
         pipe = MiniSDPipeline.from_pretrained(minisd_dir, encoders_dir=encoders_dir)
     torch.manual_seed(0)
@@ -155,9 +155,9 @@ def run(quick: bool = False, encoders_dir="weights/encoders", minisd_dir="weight
     report = MemoryReport(capacities, curves, quick=quick)
     report.long_context = long_context(quick=quick, progress=progress)
     if real:
-        from .adapter import generate_prompts
-        from .encoders import load_text_encoder
-        from .minisd.data import all_captions
+        from ..adapter import generate_prompts
+        from ..encoders import load_text_encoder
+        from ..minisd.data import all_captions
 
         encoder = load_text_encoder(encoder_dir)
         prompts = generate_prompts(1500, seed=1) + all_captions()[::4]
@@ -242,7 +242,7 @@ def plot(r: MemoryReport, path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .common import save_figure
+    from ..common import save_figure
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8), dpi=110)
     d = 64 if any(c.d == 64 for c in r.curves) else r.curves[0].d
