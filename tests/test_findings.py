@@ -2,6 +2,8 @@
 conditions, and the localisation and generation runs end to end (numbers on trained weights are in
 the README, from scripts/findings.py)."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -121,6 +123,8 @@ def test_findings_commands_run_on_a_micro_model(micro_pipes, cli, tmp_path):
     assert f"Best single layer: {best_layer['layer']}" in text
     assert max(len(line) for line in text.splitlines() if str(folder) not in line) <= 120
     assert (tmp_path / "maps-generator.png").is_file()
+    assert json.loads(out)["pictures"][0] == str(tmp_path / "maps-generator.png")
+    assert all(Path(p).is_file() for p in json.loads(out)["pictures"])
     code, out, err = cli("condition", "--unet", folder, "--text-encoder", encoder, "--generate", "--count", "2",
                          "--steps", "2", "--pooled-model", pooled, "--json", "--plot", tmp_path / "tokens.png")  # fmt: skip
     assert code == 0, err

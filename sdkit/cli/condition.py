@@ -34,7 +34,7 @@ def _minisd_findings(args) -> None:
     if args.masks:
         from ..localization import draw_examples, format_localization, generated_set, generator_set, localize
 
-        reports, tables = [], []
+        reports, tables, pictures = [], [], []
         for source in ("generator", "generated"):
             with progress_bar(args, total=args.count * len(args.timesteps), desc=f"maps on {source} images", unit="image") as bar:
                 if source == "generator":
@@ -48,10 +48,13 @@ def _minisd_findings(args) -> None:
                 report.note = f"judge found {found} of {sum(len(ms) for ms in masks)} named objects in the generated images"
             reports.append(report)
             tables.append(format_localization(report))
-            if args.plot:
+            if args.plot:  # one picture per image source: FILE-generator.png, FILE-generated.png
                 stem = Path(args.plot)
-                draw_examples(report, stem.with_name(f"{stem.stem}-{source}{stem.suffix or '.png'}"))
-        show_result(args, {"localization": [r.to_json() for r in reports]}, "\n\n".join(tables))
+                picture = stem.with_name(f"{stem.stem}-{source}{stem.suffix or '.png'}")
+                if draw_examples(report, picture):
+                    pictures.append(str(picture))
+        table = "\n\n".join(tables) + "".join(f"\nwrote {p}" for p in pictures)
+        show_result(args, {"localization": [r.to_json() for r in reports], "pictures": pictures}, table)
         return
     from ..minisd.conditions import CONDITIONS, SETS, compare_token_conditions, draw_comparison, format_token_comparison
 
@@ -164,7 +167,8 @@ def register(sub) -> None:
     p.add_argument("--guidance", type=nonnegative_float, default=4.0, help="--masks/--generate: guidance scale")
     p.add_argument("--steps", type=positive_int, default=25, help="--masks/--generate: sampling steps")
     p.add_argument("--encoders-dir", default="weights/encoders", help="where the mini SD's text encoder is")
-    p.add_argument("--plot", metavar="FILE.png", help="--masks/--generate: the picture")
+    p.add_argument("--plot", metavar="FILE.png", help="--masks/--generate: the picture (--masks writes one per image "
+                                                     "source: FILE-generator.png and FILE-generated.png)")
     add_json(p)
     p.set_defaults(func=cmd_condition)
 
