@@ -1,6 +1,6 @@
 """Where the mini SD loses composition, and what steering wins back: the README's Composition section.
 
-    python scripts/composition.py [--model weights/minisd] [--count 64] [--skip probe,leakage,steering]
+    python scripts/composition.py [--model weights/minisd] [--count 64] [--skip probe,leakage,steering,picture]
 
 Writes to MODEL/findings/ and prints each table:
   probe.json                   linear probes of the token states (all-MiniLM-L6-v2 and all-mpnet-base-v2):
@@ -25,7 +25,6 @@ import torch
 from sdkit.common import save_figure, write_json
 from sdkit.encoders import load_text_encoder
 from sdkit.minisd.evaluate import evaluate, format_evaluation, prompt_set, wrap_words
-from sdkit.minisd.judge import HEADERS, accuracy_cells
 from sdkit.minisd.pipeline import MiniSDPipeline
 from sdkit.steering import SteeringSettings
 
@@ -109,25 +108,9 @@ def steering(pipe, model: str, count: int, scale: float, steps: int, out: Path) 
             best = row
     result = {"model": model, "count": count, "scale": scale, "steps": steps, "sampler": "ddim", "sampling_steps": 25,
               "guidance_scale": 4.0, "rows": rows, "best": best["objectives"]}  # fmt: skip
-    print(format_steering(result), flush=True)
+    print(f"best on pairs: {'+'.join(result['best'])} (the README's table: python scripts/readme_tables.py steering)")
     write_json(out / "steering.json", result)
     return result
-
-
-def format_steering(result: dict) -> str:
-    from sdkit.common import format_table
-
-    plain = result["rows"][0]["unsteered"]
-    table = [["unsteered", "pairs", *accuracy_cells(plain["pairs"]), "1.00x"]]
-    table.append(["", "singles", *accuracy_cells(plain["singles"]), ""])
-    for row in result["rows"]:
-        per = row["seconds_per_image"]
-        name = "+".join(row["objectives"]) + (" (best)" if row["objectives"] == result["best"] else "")
-        table.append([name, "pairs", *accuracy_cells(row["steered"]["pairs"]), f"{per['model'] / per['unsteered']:.2f}x"])
-        table.append(["", "singles", *accuracy_cells(row["steered"]["singles"]), ""])
-    return format_table(["steering", "set", *HEADERS, "time"], table,
-                        title=f"{result['model']}: steered against unsteered on the same {result['count']} prompts and "
-                              f"seeds per set (scale {result['scale']:g}, first {result['steps']} of 25 steps)")  # fmt: skip
 
 
 def word_maps(pipe, image: np.ndarray, scene) -> list[np.ndarray]:
@@ -146,7 +129,7 @@ def word_maps(pipe, image: np.ndarray, scene) -> list[np.ndarray]:
     return [maps[w["positions"]].sum(0).numpy() for w in words if w["kind"] == "shape"]
 
 
-def draw_composition(pipe, result: dict, count: int, path, shown: int = 4) -> None:
+def draw_composition(pipe, result: dict, path, shown: int = 4) -> None:
     """Unsteered against steered (the best objectives) on the same seeds, each with both shape-word maps:
     the first pairs the best steering turns from wrong to right, then others."""
     import matplotlib
@@ -156,14 +139,15 @@ def draw_composition(pipe, result: dict, count: int, path, shown: int = 4) -> No
 
     best = next(r for r in result["rows"] if r["objectives"] == result["best"])
     steered_right = [v["all"] for v in best["verdicts"]["pairs"]]
-    scenes = prompt_set("pairs", count)
-    order = sorted(range(count), key=lambda i: not steered_right[i])[:shown]
+    scenes = prompt_set("pairs", result["count"])
+    order = sorted(range(result["count"]), key=lambda i: not steered_right[i])[:shown]
     captions, seeds = [scenes[i].caption for i in order], order
     settings = SteeringSettings(objectives=tuple(result["best"]), scale=result["scale"], steps=result["steps"])
     from sdkit.minisd.steer import caption_guides
 
-    plain = pipe(captions, 25, 4.0, seeds=seeds).images
-    steered = pipe(captions, 25, 4.0, seeds=seeds, steering=settings,
+    steps, guidance = result["sampling_steps"], result["guidance_scale"]
+    plain = pipe(captions, steps, guidance, seeds=seeds).images
+    steered = pipe(captions, steps, guidance, seeds=seeds, steering=settings,
                    guides=caption_guides(pipe.encoder, captions, pipe.spec.image_size)).images  # fmt: skip
     fig, axes = plt.subplots(len(order), 6, figsize=(9.5, 1.75 * len(order) + 0.6), dpi=110, squeeze=False)
     for r, i in enumerate(order):
@@ -207,7 +191,7 @@ def main() -> int:
         result = steering(pipe, args.model, args.count, args.scale, args.steering_steps, out)
     if "picture" not in skip:
         result = json.loads((out / "steering.json").read_text())
-        draw_composition(pipe, result, result["count"], out / "composition.png")
+        draw_composition(pipe, result, out / "composition.png")
     print(f"\nwrote {out} ({time.perf_counter() - start:.0f} s)")
     return 0
 

@@ -150,19 +150,17 @@ def adapter_table() -> str:
     rows = []
     for corpus in ("captions", "generic"):
         data = load(f"adapter-{corpus}")
-        judged = data.get("judged", {}).get("results", {})
-        native = judged.get("native", {})
+        judged = data["judged"]["results"]
         for method, m in data["methods"].items():
             if method == "mean" or (corpus == "generic" and method in ("width_only", "linear")):
                 continue
-            ci = m.get("interval", {}).get("rel_mse")
-            rel = f"{m['rel_mse']:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci and method != "width_only" else "")
-            j = judged.get(method, {})
-            rows.append([method, "-" if method == "width_only" else corpus, rel, f"{m.get('unet_rel_to_text_effect', 0):.3f}",
-                         pct(j.get("singles", {}).get("all")), pct(j.get("pairs", {}).get("all"))])  # fmt: skip
-        if native:
-            rows.append([f"(native encoder, {corpus} run)", "-", "-", "-", pct(native.get("singles", {}).get("all")),
-                         pct(native.get("pairs", {}).get("all"))])  # fmt: skip
+            ci = m["interval"]["rel_mse"]
+            rel = f"{m['rel_mse']:.3f}" + ("" if method == "width_only" else f" [{ci[0]:.3f}, {ci[1]:.3f}]")
+            rows.append([method, "-" if method == "width_only" else corpus, rel, f"{m['unet_rel_to_text_effect']:.3f}",
+                         pct(judged[method]["singles"]["all"]), pct(judged[method]["pairs"]["all"])])  # fmt: skip
+        native = judged["native"]
+        rows.append([f"(native encoder, {corpus} run)", "-", "-", "-", pct(native["singles"]["all"]),
+                     pct(native["pairs"]["all"])])  # fmt: skip
     return markdown(["adapter", "trained on", "held-out relMSE [95 % CI]", "U-Net error vs text", "singles all",
                      "pairs all"], rows, 2)  # fmt: skip
 

@@ -212,6 +212,31 @@ def test_cli_sample_and_eval(micro_model, bert, cli, tmp_path):
     assert code == 2 and "no such file" in err
 
 
+def test_cli_guide_steers_sample_and_eval(micro_model, bert, cli, tmp_path):
+    common = ["--model", micro_model, "--text-encoder", bert.source, "--steps", "2"]
+    pair = "a red circle to the left of a blue square"
+    code, out, err = cli("minisd", "sample", pair, *common, "--seeds", "1", "--guide", "layout,bind", "--guide-scale",
+                         "5", "--json", "--out", tmp_path / "steered.png")  # fmt: skip
+    assert code == 0, err
+    steering = json.loads(out)["steering"]
+    assert steering["objectives"] == ["layout", "bind"] and steering["scale"] == 5 and steering["steps"] == 10
+    assert (tmp_path / "steered.png").is_file()
+    code, out, err = cli("minisd", "eval", *common, "--count", "2", "--sets", "pairs", "--no-floors", "--guide",
+                         "excite", "--json")  # fmt: skip
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["steering"]["objectives"] == ["excite"] and set(report["seconds_per_image"]) == {"model", "unsteered"}
+    assert set(report["results"]["unsteered"]) == {"pairs"}
+    refusals = {("--guide-scale", "3"): "--guide-scale does not apply without --guide",
+                ("--guide", "repel"): "steering objectives are a comma-separated list of excite, bind, layout",
+                ("--guide", "excite", "--guide-layers", "bogus"): "no cross-attention layer 'bogus'"}  # fmt: skip
+    for flags, message in refusals.items():
+        code, _, err = cli("minisd", "sample", pair, *common, "--seeds", "1", *flags, "--out", tmp_path / "x.png")
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+    code, _, err = cli("minisd", "sample", "a red thing", *common, "--guide", "excite", "--out", tmp_path / "x.png")
+    assert code == 2 and "captions its generator writes" in err and not (tmp_path / "x.png").exists()
+
+
 @pytest.mark.skipif(not (SHIPPED / "minisd.json").is_file(), reason="no shipped mini SD in weights/minisd")
 def test_the_shipped_model_is_a_minisd_preset_u_net(cli):
     from sdkit.audit import audit
