@@ -218,13 +218,18 @@ def test_10_an_adapter_too_big_to_train_is_refused_before_encoding(cli, tiny_pai
 
 @pytest.mark.parametrize("delay", [0.03, 0.05, 0.08, 0.12, 0.2, 0.3, 0.5, 0.8])
 def test_11_ctrl_c_at_any_moment_is_130_and_one_line(delay):
-    # From about 20 ms on, when the interpreter's own start-up (site.py) is over and sdkit's code runs,
-    # through the imports of torch and the work, to the interpreter's shutdown.
-    process = subprocess.Popen([sys.executable, "-m", "sdkit", "audit", "tiny"], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)  # fmt: skip
-    time.sleep(delay)
-    process.send_signal(2)
-    out, err = process.communicate(timeout=120)
+    # From when the interpreter's own start-up (site.py, about 20 ms on an idle machine) is over and
+    # sdkit's code runs, through the imports of torch and the work, to the interpreter's shutdown. A
+    # signal that lands in site.py is the interpreter's to report (its "init_import_site" error, before
+    # any sdkit code): on a loaded machine start-up takes longer, so that moment is tried again later.
+    for attempt in range(6):
+        process = subprocess.Popen([sys.executable, "-m", "sdkit", "audit", "tiny"], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)  # fmt: skip
+        time.sleep(delay + 0.02 * attempt)
+        process.send_signal(2)
+        out, err = process.communicate(timeout=120)
+        if "init_import_site" not in err:
+            break
     if process.returncode == 0:
         assert err == ""
     else:
