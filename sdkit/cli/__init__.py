@@ -61,11 +61,18 @@ def main(argv: list[str] | None = None) -> int:
 
     def on_interrupt(signum, frame):
         pressed.append(signum)
+        if _importing(frame):
+            # Raised inside an import, the exception can cross C++ (torch's pybind11 start-up),
+            # which aborts the process (SIGABRT, a C++ trace) instead of unwinding. Nothing is
+            # lost by leaving at once: a temp file left now carries our pid and the next write
+            # to its path removes it.
+            print(f"{name}: interrupted", file=sys.stderr, flush=True)
+            os._exit(130)
         raise KeyboardInterrupt
 
-    # Ctrl-C can land inside a library's import, which may turn it into another error (numpy's
-    # "cannot load module more than once", a RecursionError): once it is pressed, whatever follows
-    # is its consequence, and the answer is the same one line and 130.
+    # Ctrl-C outside an import can still turn into another error on its way up (a library that
+    # catches and re-raises): once it is pressed, whatever follows is its consequence, and the
+    # answer is the same one line and 130.
     previous = signal.signal(signal.SIGINT, on_interrupt) if _main_thread() else None
     try:
         from .common import given_options
@@ -101,6 +108,14 @@ def main(argv: list[str] | None = None) -> int:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
     return 0
+
+
+def _importing(frame) -> bool:
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _main_thread() -> bool:
