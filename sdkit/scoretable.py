@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from .common import SdkitError, available_memory, format_bytes, format_table, peak_rss
 from .geometry import VAE_FACTOR, halved, image_factor
 
-SWEEP_SIZES = (256, 512, 768, 1024, 2048)
+SWEEP_SCALES = (0.5, 1, 1.5, 2, 4)  # of the requested sides, so the sweep keeps its aspect ratio
+TEXT_TOKENS = 77  # CLIP's context: what every SD cross-attention reads
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 IMPLEMENTATIONS = ("naive", "chunked", "sdpa")
 DEFAULT_CHUNK_BUDGET = 64 * 2**20  # bytes of scores per chunk
@@ -56,6 +57,8 @@ class ScoreTables:
     cfg: bool
     levels: list[Level]
     pixel: Level
+    cross: list[Level]  # cross-attention per level, then pixels: cells x text tokens
+    text_tokens: int
     sweep: list[dict]
 
     @property
@@ -83,8 +86,8 @@ def table_bytes(tokens: int, dtype: str, heads: int = 1, batch: int = 1, query_t
 
 
 def self_attention_levels(preset: str) -> tuple[list[dict], int]:
-    """Per U-Net depth: heads, head size and how many self-attention layers run there; and the
-    pixels per grid cell at the input (8 through SD's VAE, 1 for a pixel-space U-Net)."""
+    """Per U-Net depth: heads, head size and how many self- and cross-attention layers run there;
+    and the pixels per grid cell at the input (8 through SD's VAE, 1 for a pixel-space U-Net)."""
     # Imported here: the CPU measurement children import this module and need only torch.
     from .audit import parameter_level
     from .geometry import level_depth
@@ -94,12 +97,13 @@ def self_attention_levels(preset: str) -> tuple[list[dict], int]:
     unet = build_unet(config, weights="meta")
     by_depth: dict[int, dict] = {}
     for name, module in unet.named_modules():
-        if not name.endswith(".attn1"):
+        if not name.endswith((".attn1", ".attn2")):
             continue
         depth = level_depth(parameter_level(name), len(config["block_out_channels"]))
         entry = by_depth.setdefault(depth, {"depth": depth, "heads": module.heads,
-                                            "head_dim": module.inner_dim // module.heads, "layers": 0})  # fmt: skip
-        entry["layers"] += 1
+                                            "head_dim": module.inner_dim // module.heads, "layers": 0,
+                                            "cross_layers": 0})  # fmt: skip
+        entry["cross_layers" if name.endswith(".attn2") else "layers"] += 1
     return [by_depth[d] for d in sorted(by_depth)], image_factor(config)
 
 
@@ -109,13 +113,16 @@ def latent_grid(height: int, width: int, depth: int, factor: int = VAE_FACTOR) -
 
 
 def score_tables(height: int = 512, width: int | None = None, preset: str = "sd15", dtype: str = "float16",
-                 batch: int = 1, cfg: bool = False) -> ScoreTables:  # fmt: skip
-    """Exact score-table sizes per self-attention level, for pixels, and over a size sweep."""
+                 batch: int = 1, cfg: bool = False, text_tokens: int = TEXT_TOKENS) -> ScoreTables:  # fmt: skip
+    """Exact score-table sizes per self-attention level, for pixels, for cross-attention (cells x
+    text tokens), and over a sweep of sizes with the requested aspect ratio."""
     width = height if width is None else width
     if dtype not in DTYPES:
         raise SdkitError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     if batch < 1:
         raise SdkitError(f"batch must be at least 1, not {batch}")
+    if text_tokens < 1:
+        raise SdkitError(f"text tokens must be at least 1, not {text_tokens}")
     attention_levels, factor = self_attention_levels(preset)
     if not attention_levels:
         raise SdkitError(f"{preset} has no self-attention layers")
@@ -124,30 +131,37 @@ def score_tables(height: int = 512, width: int | None = None, preset: str = "sd1
     effective = batch * (2 if cfg else 1)
     grid_name = "latent" if factor > 1 else "grid"
 
-    def level(name, grid, heads, head_dim, layers) -> Level:
+    def level(name, grid, heads, head_dim, layers, keys=None) -> Level:
         tokens = grid[0] * grid[1]
-        per_head = table_bytes(tokens, dtype)
-        return Level(name, grid, tokens, heads, head_dim, layers, tokens * tokens, per_head, per_head * heads * effective)
+        keys = tokens if keys is None else keys
+        per_head = table_bytes(keys, dtype, query_tokens=tokens)
+        return Level(name, grid, tokens, heads, head_dim, layers, tokens * keys, per_head, per_head * heads * effective)
 
-    levels = []
+    levels, cross = [], []
     for info in attention_levels:
         grid = latent_grid(height, width, info["depth"], factor)
-        levels.append(level(f"{grid_name} {grid[0]}x{grid[1]}", grid, info["heads"], info["head_dim"], info["layers"]))
+        name = f"{grid_name} {grid[0]}x{grid[1]}"
+        levels.append(level(name, grid, info["heads"], info["head_dim"], info["layers"]))
+        if info["cross_layers"]:
+            cross.append(level(name, grid, info["heads"], info["head_dim"], info["cross_layers"], text_tokens))
     finest = levels[0]
     pixel = level(f"pixel {height}x{width}", (height, width), finest.heads, finest.head_dim, 0)
+    if cross:
+        cross.append(level(pixel.name, pixel.grid, finest.heads, finest.head_dim, 0, text_tokens))
 
     sweep = []
     finest_depth = attention_levels[0]["depth"]
-    base = math.prod(latent_grid(512, 512, finest_depth, factor))
-    for size in SWEEP_SIZES:
-        tokens = math.prod(latent_grid(size, size, finest_depth, factor))
+    requested = finest.tokens
+    for scale in SWEEP_SCALES:
+        h, w = (max(factor, round(side * scale / factor) * factor) for side in (height, width))
+        tokens = math.prod(latent_grid(h, w, finest_depth, factor))
         sweep.append({
-            "size": size, "tokens": tokens, "entries_per_head": tokens**2,
+            "scale": scale, "height": h, "width": w, "tokens": tokens, "entries_per_head": tokens**2,
             "bytes_per_head": table_bytes(tokens, dtype),
-            "pixel_tokens": size * size, "pixel_bytes_per_head": table_bytes(size * size, dtype),
-            "cells_vs_512": tokens / base, "table_vs_512": tokens**2 / base**2,
+            "pixel_tokens": h * w, "pixel_bytes_per_head": table_bytes(h * w, dtype),
+            "cells_vs_requested": tokens / requested, "table_vs_requested": tokens**2 / requested**2,
         })  # fmt: skip
-    return ScoreTables(height, width, preset, dtype, batch, cfg, levels, pixel, sweep)
+    return ScoreTables(height, width, preset, dtype, batch, cfg, levels, pixel, cross, text_tokens, sweep)
 
 
 def format_score_tables(t: ScoreTables) -> str:
@@ -165,12 +179,22 @@ def format_score_tables(t: ScoreTables) -> str:
         f"{t.pixel.entries_per_head / finest.entries_per_head:,.0f}x the scores per head "
         f"({t.pixel.entries_per_head:,} vs {finest.entries_per_head:,})."
     )
-    rows = [[s["size"], s["tokens"], s["entries_per_head"], format_bytes(s["bytes_per_head"]),
-             f"{s['cells_vs_512']:g}x", f"{s['table_vs_512']:g}x", format_bytes(s["pixel_bytes_per_head"])]
-            for s in t.sweep]  # fmt: skip
+    if t.cross:
+        rows = [[lv.name, lv.tokens, t.text_tokens, lv.heads, lv.layers or "-", lv.entries_per_head,
+                 format_bytes(lv.bytes_per_head), format_bytes(lv.bytes_all_heads)] for lv in t.cross]  # fmt: skip
+        out.append("\n" + format_table(
+            ["level", "cells", "text tokens", "heads", "layers", "scores per head", "per head", "all heads"], rows,
+            title=f"Cross-attention score tables (cells x {t.text_tokens} text tokens: linear in the cells, so "
+                  f"the pixel level costs {t.cross[-1].tokens // t.cross[0].tokens:,}x the latent, not "
+                  f"{t.pixel.entries_per_head // finest.entries_per_head:,}x)",
+        ))  # fmt: skip
+    rows = [[f"{s['height']}x{s['width']}", f"{s['scale']:g}x", s["tokens"], s["entries_per_head"],
+             format_bytes(s["bytes_per_head"]), f"{s['cells_vs_requested']:g}x", f"{s['table_vs_requested']:g}x",
+             format_bytes(s["pixel_bytes_per_head"])] for s in t.sweep]  # fmt: skip
     out.append("\n" + format_table(
-        ["image", "tokens", "scores per head", "per head", "cells vs 512", "table vs 512", "pixel per head"],
-        rows, title="Size sweep (finest attention level; doubling the side gives 4x the cells and 16x the table)",
+        ["image", "sides", "tokens", "scores per head", "per head", "cells", "table", "pixel per head"], rows,
+        title=f"Size sweep at the requested aspect ratio (finest self-attention level; 'cells' and 'table' against "
+              f"{t.height}x{t.width}:\ndoubling the sides gives 4x the cells and 16x the table)",
     ))  # fmt: skip
     return "\n".join(out)
 

@@ -6,6 +6,7 @@ import torch
 from sdkit.scoretable import (
     attention_scores,
     chunked_attention,
+    format_score_tables,
     latent_grid,
     largest_naive_tokens,
     measure,
@@ -30,8 +31,10 @@ def test_512_latent_against_pixel():
 
 
 def test_doubling_the_side_gives_16x_the_table():
-    sweep = {s["size"]: s for s in score_tables(512).sweep}
-    for small, big in [(256, 512), (512, 1024), (1024, 2048)]:
+    sweep = {s["scale"]: s for s in score_tables(512).sweep}
+    assert [(s["height"], s["width"]) for s in sweep.values()] == [(256, 256), (512, 512), (768, 768), (1024, 1024),
+                                                                    (2048, 2048)]  # fmt: skip
+    for small, big in [(0.5, 1), (1, 2), (2, 4)]:
         assert sweep[big]["tokens"] == 4 * sweep[small]["tokens"]
         assert sweep[big]["entries_per_head"] == 16 * sweep[small]["entries_per_head"]
     assert score_tables(1024).levels[0].entries_per_head == 16 * score_tables(512).levels[0].entries_per_head
@@ -42,6 +45,21 @@ def test_batch_cfg_and_non_square():
     finest = t.levels[0]
     assert finest.grid == (64, 96) and finest.tokens == 6144
     assert finest.bytes_all_heads == 6144**2 * 4 * 8 * 4  # fp32, 8 heads, batch 2 x 2
+    # the sweep keeps 2:3, and compares against the requested size, not a square 512
+    assert [(s["height"], s["width"]) for s in t.sweep] == [(256, 384), (512, 768), (768, 1152), (1024, 1536),
+                                                            (2048, 3072)]  # fmt: skip
+    assert [s["cells_vs_requested"] for s in t.sweep] == [0.25, 1, 2.25, 4, 16]
+    assert "Size sweep at the requested aspect ratio" in format_score_tables(t) and "512x768" in format_score_tables(t)
+
+
+def test_cross_attention_tables_are_cells_by_text_tokens():
+    t = score_tables(512)
+    assert [(lv.tokens, lv.layers, lv.entries_per_head) for lv in t.cross] == [
+        (4096, 5, 4096 * 77), (1024, 5, 1024 * 77), (256, 5, 256 * 77), (64, 1, 64 * 77), (262_144, 0, 262_144 * 77)]
+    assert t.cross[0].bytes_per_head == 4096 * 77 * 2  # float16
+    assert t.cross[-1].entries_per_head // t.cross[0].entries_per_head == 64  # linear in cells, unlike self-attention
+    assert score_tables(512, text_tokens=154).cross[0].entries_per_head == 4096 * 154
+    assert "Cross-attention score tables (cells x 77 text tokens" in format_score_tables(t)
     assert latent_grid(520, 520, 3) == (9, 9)  # 65 -> 33 -> 17 -> 9: stride-2 convs round up
     assert score_tables(512, preset="sd21").levels[0].heads == 5
 

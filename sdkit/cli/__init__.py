@@ -19,6 +19,7 @@ import signal
 import sys
 
 from ..common import SdkitError
+from .common import phase
 
 COMMANDS = ("audit", "scoretable", "condition", "adapter", "minisd", "memory")
 
@@ -85,9 +86,12 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help()
             return 0
         args.given = given_options(parser, argv)
-        name = f"sdkit {args.command}"
+        name = phase.program = f"sdkit {args.command}"
+        phase("loading torch and the model code")  # the first seconds of most commands
         args.func(args)
+        phase.clear()
     except BaseException as e:  # noqa: BLE001 (sorted below; anything else goes on as it was)
+        phase.clear()
         if pressed or isinstance(e, KeyboardInterrupt):
             print(f"{name}: interrupted", file=sys.stderr)
             return 130

@@ -8,7 +8,7 @@ import sys
 
 from ..common import SdkitError, check_output
 from .common import (ADAPTER_KINDS, ADAPTERS_MARKER, LAYERS, Parser, adapter_kinds, at_most, add_json, check_input, check_outputs, minisd_spec,
-                     nonnegative_float, nonnegative_int, positive_float, positive_int, progress_bar, seed,
+                     nonnegative_float, nonnegative_int, phase, positive_float, positive_int, progress_bar, seed,
                      show_result)  # fmt: skip
 
 
@@ -19,6 +19,7 @@ def cmd_adapter(args) -> None:
     from ..adapter import explanation
 
     if not args.adapter_command:
+        phase.clear()
         print(explanation(args.encoders_dir))
         return
     args.adapter_func(args)
@@ -122,6 +123,7 @@ def cmd_adapter_encode(args) -> None:
     with atomic_path(args.out) as tmp:
         save_file(tensors, str(tmp), metadata={"prompts": json.dumps(args.prompts), "adapter": str(args.adapter)})
     shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in tensors.items())
+    phase.clear()
     print(f"wrote {args.out}: {shapes}")
 
 

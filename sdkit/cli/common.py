@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 
 from ..common import SdkitError, check_output, check_output_folder, write_json
 
@@ -189,6 +190,7 @@ def add_json(p: argparse.ArgumentParser) -> None:
 
 def show_result(args, data: dict, table: str) -> None:
     """The table for people, or JSON on stdout with --json; and JSON to --json-out when given."""
+    phase.clear()
     if args.json_out:
         write_json(args.json_out, data)
     if args.json:
@@ -199,12 +201,59 @@ def show_result(args, data: dict, table: str) -> None:
             print(f"wrote {args.json_out}")
 
 
+class _Phase:
+    """What the command is doing now, said on stderr.
+
+    On a terminal: one line, redrawn at each new phase and cleared before the result, so a person
+    never waits on a silent screen. Elsewhere (a log, a pipe): nothing while it runs, then one line
+    for each phase that took 5 s or more, with its time; a quick failure stays one line."""
+
+    program = "sdkit"
+    text: str | None = None
+    began = 0.0
+
+    def __call__(self, text: str) -> None:
+        import time
+
+        self.clear()
+        self.text, self.began = text, time.monotonic()
+        if _terminal():
+            sys.stderr.write(f"\r\033[K{self.program}: {text} ...")
+            sys.stderr.flush()
+
+    def clear(self) -> None:
+        import time
+
+        if self.text is None:
+            return
+        if _terminal():
+            sys.stderr.write("\r\033[K")
+        elif (took := time.monotonic() - self.began) >= 5:
+            sys.stderr.write(f"{self.program}: {self.text}: {format_duration(took)}\n")
+        sys.stderr.flush()
+        self.text = None
+
+
+def _terminal() -> bool:
+    return sys.stderr.isatty()
+
+
+def format_duration(seconds: float) -> str:
+    return f"{seconds:.1f} s" if seconds < 60 else f"{int(seconds // 60)} min {seconds % 60:02.0f} s"
+
+
+phase = _Phase()
+
+
 def progress_bar(args, **kwargs):
-    """A progress bar on stderr, for people: none with --json or when stderr is not a terminal
-    (logs and pipes get the result, not bar redraws)."""
+    """A progress bar on stderr, for people (n of N, an ETA): a phase with steps. On a terminal it
+    replaces the phase line; elsewhere the log gets the phase's one line when it ends."""
     from tqdm import tqdm
 
-    return tqdm(leave=False, disable=True if getattr(args, "json", False) else None, **kwargs)
+    phase(kwargs.get("desc", "working"))
+    if _terminal():
+        sys.stderr.write("\r\033[K")
+    return tqdm(leave=False, disable=None, **kwargs)
 
 
 def check_outputs(args, files=(), pictures=(), folders=(), owned: dict | None = None, inputs=()) -> None:

@@ -8,7 +8,7 @@ from dataclasses import asdict
 
 from ..common import SdkitError
 from .common import (MODEL_MARKER, Parser, add_json, check_input, check_outputs, nonnegative_float, nonnegative_int,
-                     positive_float, positive_int, progress_bar, refuse_options, seed, show_result,
+                     phase, positive_float, positive_int, progress_bar, refuse_options, seed, show_result,
                      steering_objectives)  # fmt: skip
 
 STEERING_OPTIONS = ("guide_scale", "guide_steps", "guide_resolution", "guide_layers")
@@ -18,6 +18,7 @@ def cmd_minisd(args) -> None:
     if not args.minisd_command:
         from ..minisd import explanation
 
+        phase.clear()
         print(explanation(args.model, args.encoders_dir))
         return
     args.minisd_func(args)

@@ -20,7 +20,7 @@ def cmd_scoretable(args) -> None:
 
     height = args.height if args.height is not None else args.size
     width = args.width if args.width is not None else height
-    tables = score_tables(height, width, args.preset, args.dtype, args.batch, args.cfg)
+    tables = score_tables(height, width, args.preset, args.dtype, args.batch, args.cfg, args.text_tokens)
     measured = []
     if args.measure:
         finest = tables.levels[0]
@@ -46,7 +46,8 @@ def cmd_scoretable(args) -> None:
 def register(sub) -> None:
     p = sub.add_parser("scoretable", help="score-table sizes: the latent grid against pixel-level attention",
                        description="Exact self-attention score-table sizes per U-Net level and for a pixel-level "
-                                   "model; with --measure, one attention run naive, chunked and with SDPA.")  # fmt: skip
+                                   "model, the cross-attention tables (cells x text tokens) and a size sweep at the "
+                                   "requested aspect ratio; with --measure, one attention run naive, chunked and with SDPA.")  # fmt: skip
     p.add_argument("--size", type=positive_int, default=512, help="square image side in pixels")
     p.add_argument("--height", type=positive_int, help="image height (with --width, for non-square images)")
     p.add_argument("--width", type=positive_int, help="image width (default: the height)")
@@ -55,6 +56,7 @@ def register(sub) -> None:
     p.add_argument("--batch", type=positive_int, default=1, help="images per batch")
     p.add_argument("--cfg", action="store_true", help="classifier-free guidance (doubles the batch)")
     p.add_argument("--dtype", choices=DTYPES, default="float16", help="dtype of the analytic tables")
+    p.add_argument("--text-tokens", type=positive_int, default=77, help="text tokens the cross-attention reads")
     p.add_argument("--measure", action="store_true", help="also run one self-attention and measure it")
     p.add_argument("--tokens", type=positive_int, help="tokens to measure at (default: the finest latent level)")
     p.add_argument("--heads", type=positive_int, help="heads to measure with (default: the finest level's)")

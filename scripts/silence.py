@@ -1,0 +1,115 @@
+"""How long the README's commands keep a person waiting in silence, on a terminal.
+
+    python scripts/silence.py                    # every runnable `sdkit` command in README.md
+    python scripts/silence.py --only minisd      # those whose text contains "minisd"
+    python scripts/silence.py --cap 120 --json   # stop each after 120 s (what it showed so far counts)
+
+Each command runs under a pseudo-terminal (stdout and stderr both on it, 120 columns), in a scratch
+folder that sees this checkout's weights/, so its pictures land there and not in the checkout. What
+is measured is the time to its first output and the longest stretch without any output (a progress
+bar's redraw counts; silence until the exit counts too). Commands that name files that are not here
+(path/to/..., ~/models/...) are skipped. The target (issue 18): first output within 2 s, no
+silence over 5 s.
+"""
+
+import argparse
+import json
+import os
+import re
+import select
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PLACEHOLDERS = ("path/to/", "~/")
+
+
+def readme_commands(readme: Path) -> list[str]:
+    """The `sdkit ...` lines of the README's bash blocks, continuations joined, comments dropped."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", readme.read_text(), flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split(" #")[0].strip()
+            if line.startswith("sdkit ") or line == "sdkit":
+                commands.append(" ".join(line.split()))
+    return list(dict.fromkeys(commands))
+
+
+def watch(command: str, cwd: Path, cap: float) -> dict:
+    """Run `command` on a pseudo-terminal; when each chunk of output came, and how it ended."""
+    import fcntl
+    import struct
+    import termios
+
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    sdkit = str(Path(sys.executable).with_name("sdkit"))
+    argv = [sdkit, *shlex.split(command)[1:]]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "120"}
+    start = time.monotonic()
+    process = subprocess.Popen(argv, cwd=cwd, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, env=env,
+                               start_new_session=True)  # fmt: skip
+    os.close(slave)
+    times, tail = [], b""
+    while True:
+        ready, _, _ = select.select([master], [], [], 0.05)
+        now = time.monotonic() - start
+        if ready:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # the terminal closed: the command is gone
+                chunk = b""
+            if not chunk:
+                break
+            times.append(now)
+            tail = (tail + chunk)[-2000:]
+        elif process.poll() is not None:
+            break
+        if now > cap:
+            process.terminate()
+            break
+    process.wait()
+    end = time.monotonic() - start
+    os.close(master)
+    marks = [0.0, *times, end]
+    return {"command": command, "seconds": round(end, 1), "finished": end <= cap, "exit": process.returncode,
+            "first_output": round(times[0], 1) if times else None,
+            "longest_silence": round(max(b - a for a, b in zip(marks, marks[1:])), 1),
+            "last_output": tail.decode(errors="replace").replace("\r", "\n").strip().splitlines()[-1:]}  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default="", help="run only commands containing this text")
+    parser.add_argument("--cap", type=float, default=180.0, help="seconds each command may run (default 180)")
+    parser.add_argument("--json", action="store_true", help="the rows as JSON")
+    args = parser.parse_args()
+    if not shutil.which("sdkit", path=str(Path(sys.executable).parent)):
+        sys.exit("silence.py: no sdkit command beside this Python; pip install . first")
+    commands = [c for c in readme_commands(ROOT / "README.md") if args.only in c and not any(p in c for p in PLACEHOLDERS)]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="sdkit-silence-") as scratch:
+        (Path(scratch) / "weights").symlink_to(ROOT / "weights")
+        for command in commands:
+            rows.append(watch(command, Path(scratch), args.cap))
+            if not args.json:
+                r = rows[-1]
+                print(f"{r['first_output']!s:>6} s first  {r['longest_silence']:>6} s silent  {r['seconds']:>7} s "
+                      f"{'' if r['finished'] else '(capped) '}exit {r['exit']}  {command}", flush=True)  # fmt: skip
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    late = [r for r in rows if r["first_output"] is None or r["first_output"] > 2 or r["longest_silence"] > 5]
+    if not args.json:
+        print(f"\n{len(rows) - len(late)} of {len(rows)} commands speak within 2 s and are never silent for over 5 s")
+        for r in late:
+            print(f"  late: {r['command']}")
+    return 1 if late else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
