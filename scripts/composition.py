@@ -16,6 +16,7 @@ Needs the real encoders (python scripts/get_real_encoders.py). About 15 minutes 
 import argparse
 import json
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -24,7 +25,7 @@ import torch
 
 from sdkit.common import save_figure, write_json
 from sdkit.encoders import load_text_encoder
-from sdkit.minisd.evaluate import evaluate, format_evaluation, prompt_set, wrap_words
+from sdkit.minisd.evaluate import evaluate, format_evaluation, prompt_set
 from sdkit.minisd.pipeline import MiniSDPipeline
 from sdkit.steering import SteeringSettings
 
@@ -160,7 +161,7 @@ def draw_composition(pipe, result: dict, path, shown: int = 4) -> None:
                 ax.imshow(picture, interpolation="nearest", cmap=None if k == 0 else "magma")
                 ax.set_title(title, fontsize=7)
                 ax.axis("off")
-        axes[r, 0].text(-0.1, 0.5, wrap_words(scenes[i].caption, 20), transform=axes[r, 0].transAxes, ha="right",
+        axes[r, 0].text(-0.1, 0.5, textwrap.fill(scenes[i].caption, 20), transform=axes[r, 0].transAxes, ha="right",
                         va="center", fontsize=6.5)  # fmt: skip
     fig.suptitle(f"{result['model']}: the same seeds unsteered and steered by {'+'.join(result['best'])}, with each "
                  f"shape word's attention (all layers, the image noised to t={MAP_TIMESTEP})", fontsize=8)  # fmt: skip

@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import stat
+import sys
 import tempfile
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -236,6 +237,21 @@ def save_figure(fig, path: str | os.PathLike) -> Path:
         fig.savefig(tmp, format=(suffix or ".png")[1:], bbox_inches="tight")
     plt.close(fig)
     return Path(path)
+
+
+def default_cache() -> Path:
+    """Where sdkit keeps what it can rebuild (encoded prompt states, the demo's tiny encoders):
+    $SDKIT_CACHE, else the platform's cache folder (~/.cache/sdkit on Linux), never the user's
+    working tree."""
+    if os.environ.get("SDKIT_CACHE"):
+        return Path(os.environ["SDKIT_CACHE"]).expanduser()
+    if sys.platform == "win32":
+        base = Path(os.environ.get("LOCALAPPDATA", Path.home() / "AppData" / "Local"))
+    elif sys.platform == "darwin":
+        base = Path.home() / "Library" / "Caches"
+    else:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "sdkit"
 
 
 def available_memory() -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import random
+import textwrap
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -291,11 +292,12 @@ def draw_examples(r: Localization, path) -> bool:
     from .common import save_figure
 
     shown = r.examples[:8]
-    fig, axes = plt.subplots(2, len(shown), figsize=(2.5 * len(shown), 4.8), dpi=110, squeeze=False)
+    fig, axes = plt.subplots(2, len(shown), figsize=(2.5 * len(shown), 5.2), dpi=110, squeeze=False)
     for c, (image, label, word_map, mask) in enumerate(shown):
         axes[0, c].imshow(image, interpolation="nearest")
         axes[0, c].contour(mask, levels=[0.5], colors="white", linewidths=0.8)
-        axes[0, c].set_title(label.split(" (")[0] + "\n" + label.split(" (")[1].rstrip(")")[:28], fontsize=6.5)
+        word, caption = label.split(" (", 1)
+        axes[0, c].set_title(f"{word}\n{textwrap.fill(caption.rstrip(')'), 30)}", fontsize=6.5)
         heat = axes[1, c].imshow(word_map, cmap="inferno", interpolation="bilinear")
         axes[1, c].contour(mask, levels=[0.5], colors="cyan", linewidths=0.8)
         fig.colorbar(heat, ax=axes[1, c], fraction=0.046, pad=0.02).ax.tick_params(labelsize=5)

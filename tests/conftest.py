@@ -14,6 +14,12 @@ from sdkit.presets import build_unet, preset_config  # noqa: E402
 torch.set_num_threads(2)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cache_folder(tmp_path_factory):
+    """Commands cache into default_cache(): during tests, a folder of the run's own (subprocesses too)."""
+    os.environ["SDKIT_CACHE"] = str(tmp_path_factory.mktemp("sdkit-cache"))
+
+
 @pytest.fixture(scope="session")
 def tiny_unet():
     """The tiny preset with diffusers' random initialisation (seed 0)."""
@@ -102,3 +108,27 @@ def micro_minisd(bert, tmp_path_factory):
     train(out, bert, TrainSettings(steps=2, batch_size=4, warmup_steps=1, compile=False), micro_config(bert.width),
           cache_dir=None, progress=False)  # fmt: skip
     return out, bert.source
+
+
+@pytest.fixture(scope="session")
+def tiny_sd(tmp_path_factory):
+    """A tiny random Stable Diffusion pipeline (U-Net with cross-attention at 32x32 and 16x16)."""
+    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextModel, CLIPTokenizer
+
+    from sdkit.encoders import write_tiny_clip_encoder
+
+    folder = write_tiny_clip_encoder(tmp_path_factory.mktemp("clip"), width=32, seed=0)
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(sample_size=32, in_channels=4, out_channels=4, block_out_channels=(16, 32),
+                                layers_per_block=1, norm_num_groups=8, attention_head_dim=4, cross_attention_dim=32,
+                                down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+                                up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D")).eval()  # fmt: skip
+    vae = AutoencoderKL(block_out_channels=(8, 8), norm_num_groups=4, latent_channels=4,
+                        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2).eval()  # fmt: skip
+    scheduler = DDIMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, clip_sample=False,
+                              set_alpha_to_one=False, steps_offset=1)  # SD 1.5's: 50 steps start at 981  # fmt: skip
+    parts = {"vae": vae, "text_encoder": CLIPTextModel.from_pretrained(folder / "text_encoder"),
+             "tokenizer": CLIPTokenizer.from_pretrained(folder / "tokenizer"), "unet": unet, "scheduler": scheduler,
+             "safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}  # fmt: skip
+    return StableDiffusionPipeline(**parts), parts

@@ -211,15 +211,34 @@ def test_the_empty_prompt_always_trains():
         assert 7 in train and 7 not in val + test and sorted(train + val + test) == list(range(30))
 
 
-def test_cli_demo_builds_tiny_encoders_where_no_real_pair_is(cli, tmp_path):
+def test_cli_demo_builds_tiny_encoders_in_the_cache_not_the_working_tree(cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SDKIT_CACHE", str(tmp_path / "cache"))
     code, out, err = cli("adapter", "demo", "--encoders-dir", tmp_path / "encoders", "--out", tmp_path / "adapters",
-                         "--cache", tmp_path / "cache", "--prompts", "60", "--epochs", "1", "--kinds", "linear",
-                         "--unet", "none", "--json")
+                         "--prompts", "60", "--epochs", "1", "--kinds", "linear", "--unet", "none", "--json")
     assert code == 0, err
     report = json.loads(out)
-    assert "tiny CLIP-shaped encoders" in report["encoders"]
-    assert (tmp_path / "encoders" / "tiny-clip-1024" / "text_encoder" / "config.json").is_file()
+    assert "tiny CLIP-shaped encoders" in report["encoders"] and str(tmp_path / "cache") in report["encoders"]
+    assert (tmp_path / "cache" / "tiny-encoders" / "tiny-clip-1024" / "text_encoder" / "config.json").is_file()
+    assert len(list((tmp_path / "cache").glob("*/index.json"))) == 1  # the encoded states
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapters", "cache"]  # nothing under ./weights
     assert (tmp_path / "adapters" / "report.json").is_file() and (tmp_path / "adapters" / "linear").is_dir()
+
+
+def test_the_default_cache_follows_the_platform(monkeypatch, tmp_path):
+    from sdkit.common import default_cache
+
+    monkeypatch.delenv("SDKIT_CACHE", raising=False)
+    monkeypatch.setattr("sys.platform", "linux")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache() == tmp_path / "xdg" / "sdkit"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert default_cache() == tmp_path / ".cache" / "sdkit"
+    monkeypatch.setattr("sys.platform", "darwin")
+    assert default_cache() == tmp_path / "Library" / "Caches" / "sdkit"
+    monkeypatch.setenv("SDKIT_CACHE", str(tmp_path / "mine"))
+    assert default_cache() == tmp_path / "mine"
 
 
 def test_a_report_says_when_training_never_beat_its_start(tiny_pair):

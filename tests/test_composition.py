@@ -39,30 +39,6 @@ def test_probe_fits_a_separable_problem():
 # --- steering ------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_sd(tmp_path_factory):
-    """A tiny random Stable Diffusion pipeline (U-Net with cross-attention at 32x32 and 16x16)."""
-    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
-    from transformers import CLIPTextModel, CLIPTokenizer
-
-    from sdkit.encoders import write_tiny_clip_encoder
-
-    folder = write_tiny_clip_encoder(tmp_path_factory.mktemp("clip"), width=32, seed=0)
-    torch.manual_seed(0)
-    unet = UNet2DConditionModel(sample_size=32, in_channels=4, out_channels=4, block_out_channels=(16, 32),
-                                layers_per_block=1, norm_num_groups=8, attention_head_dim=4, cross_attention_dim=32,
-                                down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-                                up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D")).eval()  # fmt: skip
-    vae = AutoencoderKL(block_out_channels=(8, 8), norm_num_groups=4, latent_channels=4,
-                        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2).eval()  # fmt: skip
-    scheduler = DDIMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, clip_sample=False,
-                              set_alpha_to_one=False)  # fmt: skip
-    parts = {"vae": vae, "text_encoder": CLIPTextModel.from_pretrained(folder / "text_encoder"),
-             "tokenizer": CLIPTokenizer.from_pretrained(folder / "tokenizer"), "unet": unet, "scheduler": scheduler,
-             "safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}  # fmt: skip
-    return StableDiffusionPipeline(**parts), parts
-
-
 PROMPT = "a red cat and a blue dog"  # tokens: 1 a, 2 red, 3 cat, 4 and, 5 a, 6 blue, 7 dog
 
 

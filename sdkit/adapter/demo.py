@@ -12,24 +12,29 @@ TINY_PAIR = ("tiny-clip-1024", "tiny-clip-768")
 REAL_PAIR = ("all-MiniLM-L6-v2", "all-mpnet-base-v2")
 
 
-def available_pair(encoders_dir: str | os.PathLike = "weights/encoders") -> tuple[Path, Path, str]:
+def available_pair(encoders_dir: str | os.PathLike = "weights/encoders",
+                   cache_dir: str | os.PathLike | None = None) -> tuple[Path, Path, str]:  # fmt: skip
     """The best (new, old) encoder pair on this machine, and a line saying what it is.
 
-    The real pretrained pair (MiniLM 384 -> mpnet 768, assembled by scripts/get_real_encoders.py)
-    when present; otherwise tiny CLIP-shaped encoders (1024 -> 768, random weights), built here.
+    The real pretrained pair (MiniLM 384 -> mpnet 768, assembled by scripts/get_real_encoders.py
+    into encoders_dir) when present; otherwise tiny CLIP-shaped encoders (1024 -> 768, random
+    weights), built once into the cache (default_cache() unless cache_dir is given).
     """
+    from ..common import default_cache
     from ..encoders import write_tiny_clip_encoder
 
     folder = Path(encoders_dir)
     new, old = (folder / name for name in REAL_PAIR)
     if (new / "config.json").is_file() and (old / "config.json").is_file():
         return new, old, "real pretrained encoders: all-MiniLM-L6-v2 (384 wide) -> all-mpnet-base-v2 (768 wide)"
-    new, old = (folder / name for name in TINY_PAIR)
+    tiny = Path(cache_dir if cache_dir is not None else default_cache()) / "tiny-encoders"
+    new, old = (tiny / name for name in TINY_PAIR)
     for path, width, seed in ((new, 1024, 1), (old, 768, 0)):
         if not (path / "text_encoder" / "config.json").is_file():
             write_tiny_clip_encoder(path, width, seed=seed)
-    return new, old, ("tiny CLIP-shaped encoders with random weights (1024 -> 768): no real pair in "
-                      f"{folder}; run scripts/get_real_encoders.py for all-MiniLM-L6-v2 -> all-mpnet-base-v2")  # fmt: skip
+    return new, old, ("tiny CLIP-shaped encoders with random weights (1024 -> 768), cached in "
+                      f"{tiny}: no real pair in {folder}; run scripts/get_real_encoders.py for "
+                      "all-MiniLM-L6-v2 -> all-mpnet-base-v2")  # fmt: skip
 
 
 def explanation(encoders_dir: str | os.PathLike = "weights/encoders") -> str:

@@ -7,7 +7,8 @@ import json
 import sys
 
 from ..common import SdkitError, check_output
-from .common import (ADAPTER_KINDS, ADAPTERS_MARKER, LAYERS, Parser, adapter_kinds, at_most, add_json, check_input, check_outputs, minisd_spec,
+from .common import (ADAPTER_KINDS, ADAPTERS_MARKER, CACHE_DEFAULT, CACHE_HELP, LAYERS, Parser, adapter_kinds, at_most, add_json,
+                     cache_folder, check_input, check_outputs, minisd_spec,
                      nonnegative_float, nonnegative_int, phase, positive_float, positive_int, progress_bar, seed,
                      show_result)  # fmt: skip
 
@@ -39,6 +40,7 @@ def _run_comparison(args, new_dir, old_dir, prompts, note: str | None = None) ->
     from ..presets import PRESETS
 
     spec = minisd_spec(args.unet) if args.unet != "none" else None
+    phase("loading the text encoders and the U-Net")
     # A mini SD reads a shorter context than SD's 77 tokens: both encoders are read at its length.
     length = {"context_length": spec.max_length} if spec else {}
     new = load_text_encoder(new_dir, layer=args.new_layer, allow_pickle=args.allow_pickle, **length)
@@ -83,7 +85,7 @@ def cmd_adapter_demo(args) -> None:
     if args.full:  # the benchmark's run: more prompts and epochs, the numbers the README reports
         args.prompts, args.epochs = max(args.prompts, 2400), max(args.epochs, 24)
         print("the full comparison takes about 15 minutes on 2 CPU cores", file=sys.stderr, flush=True)
-    new_dir, old_dir, note = available_pair(args.encoders_dir)
+    new_dir, old_dir, note = available_pair(args.encoders_dir, args.cache)
     _run_comparison(args, new_dir, old_dir, generate_prompts(args.prompts, seed=args.seed), note)
 
 
@@ -150,7 +152,7 @@ def register(sub) -> None:
         q.add_argument("--cosine-weight", type=nonnegative_float, default=0.0,
                        help="add w * (1 - cosine) to the per-token MSE")  # fmt: skip
         q.add_argument("--seed", type=seed, default=0, help="seed of the split, initialisation and data order")
-        q.add_argument("--cache", default="weights/cache", help="where encoded states are cached")
+        q.add_argument("--cache", type=cache_folder, default=CACHE_DEFAULT, help=CACHE_HELP)
         q.add_argument("--checkpoints", help="write (and resume from) training checkpoints here")
         q.add_argument("--out", default=default_out, help="save the adapters and report.json here")
         q.add_argument("--allow-pickle", action="store_true", help="read pickle weights (with weights_only=True)")

@@ -23,6 +23,20 @@ ADAPTER_KINDS = ("linear", "mlp", "mixer")  # adapter.KINDS
 STEERING_OBJECTIVES = ("excite", "bind", "layout")  # steering.OBJECTIVES
 
 
+CACHE_DEFAULT = "default"
+CACHE_HELP = ("where encoded text states (and the demo's tiny encoders) are cached ('%(default)s': $SDKIT_CACHE, "
+              "else the platform's cache folder, ~/.cache/sdkit on Linux)")  # fmt: skip
+
+
+def cache_folder(text: str):
+    """--cache: a folder, or 'default' for common.default_cache()."""
+    from pathlib import Path
+
+    from ..common import default_cache
+
+    return default_cache() if text == CACHE_DEFAULT else Path(text)
+
+
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows each option's default, except where there is none to show."""
 
@@ -204,34 +218,66 @@ def show_result(args, data: dict, table: str) -> None:
 class _Phase:
     """What the command is doing now, said on stderr.
 
-    On a terminal: one line, redrawn at each new phase and cleared before the result, so a person
-    never waits on a silent screen. Elsewhere (a log, a pipe): nothing while it runs, then one line
-    for each phase that took 5 s or more, with its time; a quick failure stays one line."""
+    On a terminal: one line with the seconds it has taken so far, redrawn every second by a
+    daemon thread and cleared before the result, so a person never waits on a still screen; a
+    progress bar takes the line over while it runs. Elsewhere (a log, a pipe): nothing while it
+    runs, then one line for each phase that took 10 s or more, with its time, so a quick failure
+    stays one line."""
 
-    program = "sdkit"
-    text: str | None = None
-    began = 0.0
+    def __init__(self):
+        import threading
 
-    def __call__(self, text: str) -> None:
+        self.program = "sdkit"
+        self.text: str | None = None
+        self.began = 0.0
+        self.ticking = False  # False while a progress bar owns the line
+        self.bar = None  # that bar
+        self._lock = threading.RLock()  # a Ctrl-C handler may clear while the main thread draws
+        self._thread = None
+
+    def __call__(self, text: str, ticking: bool = True) -> None:
+        import threading
         import time
 
         self.clear()
-        self.text, self.began = text, time.monotonic()
-        if _terminal():
-            sys.stderr.write(f"\r\033[K{self.program}: {text} ...")
-            sys.stderr.flush()
+        with self._lock:
+            self.text, self.began, self.ticking = text, time.monotonic(), ticking and _terminal()
+            if self.ticking:
+                self._draw()
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._tick, daemon=True)
+                    self._thread.start()
+
+    def _draw(self) -> None:
+        import time
+
+        took = time.monotonic() - self.began
+        sys.stderr.write(f"\r\033[K{self.program}: {self.text} ... {format_duration(took) if took >= 1 else ''}")
+        sys.stderr.flush()
+
+    def _tick(self) -> None:
+        import time
+
+        while True:
+            time.sleep(1)
+            with self._lock:
+                if self.ticking and self.text is not None:
+                    self._draw()
+                elif self.bar is not None and not self.bar.disable:
+                    self.bar.refresh()  # its clock moves on between slow steps
 
     def clear(self) -> None:
         import time
 
-        if self.text is None:
-            return
-        if _terminal():
-            sys.stderr.write("\r\033[K")
-        elif (took := time.monotonic() - self.began) >= 5:
-            sys.stderr.write(f"{self.program}: {self.text}: {format_duration(took)}\n")
-        sys.stderr.flush()
-        self.text = None
+        with self._lock:
+            if self.text is None:
+                return
+            if _terminal():
+                sys.stderr.write("\r\033[K")
+            elif (took := time.monotonic() - self.began) >= 10:
+                sys.stderr.write(f"{self.program}: {self.text}: {format_duration(took)}\n")
+            sys.stderr.flush()
+            self.text, self.ticking, self.bar = None, False, None
 
 
 def _terminal() -> bool:
@@ -239,7 +285,7 @@ def _terminal() -> bool:
 
 
 def format_duration(seconds: float) -> str:
-    return f"{seconds:.1f} s" if seconds < 60 else f"{int(seconds // 60)} min {seconds % 60:02.0f} s"
+    return f"{seconds:.0f} s" if seconds < 60 else f"{int(seconds // 60)} min {seconds % 60:02.0f} s"
 
 
 phase = _Phase()
@@ -247,13 +293,18 @@ phase = _Phase()
 
 def progress_bar(args, **kwargs):
     """A progress bar on stderr, for people (n of N, an ETA): a phase with steps. On a terminal it
-    replaces the phase line; elsewhere the log gets the phase's one line when it ends."""
+    takes the phase line over; elsewhere the log gets the phase's one line when it ends. Counts
+    may move by fractions (a sampler moves its images on at each denoising step)."""
     from tqdm import tqdm
 
-    phase(kwargs.get("desc", "working"))
+    phase(kwargs.get("desc", "working"), ticking=False)
     if _terminal():
         sys.stderr.write("\r\033[K")
-    return tqdm(leave=False, disable=None, **kwargs)
+    if kwargs.get("total") and not kwargs.get("unit_scale"):
+        kwargs.setdefault("bar_format", "{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} {unit} "
+                                        "[{elapsed}<{remaining}{postfix}]")  # fmt: skip
+    phase.bar = tqdm(leave=False, disable=None, **kwargs)
+    return phase.bar
 
 
 def check_outputs(args, files=(), pictures=(), folders=(), owned: dict | None = None, inputs=()) -> None:

@@ -7,8 +7,8 @@ import argparse
 
 from ..common import SdkitError
 from .common import (LAYERS, MAPS_MARKER, PRESET_NAMES, add_json, check_input, check_outputs, grid_sides,
-                     latent_size, minisd_spec, nonnegative_float, nonnegative_int, positive_int, progress_bar,
-                     refuse_options, seed, show_result)  # fmt: skip
+                     latent_size, minisd_spec, nonnegative_float, nonnegative_int, phase, positive_int,
+                     progress_bar, refuse_options, seed, show_result)  # fmt: skip
 
 
 def _timesteps(text: str) -> tuple[int, ...]:
@@ -107,6 +107,7 @@ def cmd_condition(args) -> None:
     from ..scoretable import resolve_device
 
     device = resolve_device(args.device)
+    phase(f"building {args.unet} with random weights" if args.unet in PRESETS else f"loading {args.unet}")
     unet = load_unet(args.unet, allow_pickle=args.allow_pickle)
     preflight(unet, args.latent_size, device, maps=bool(args.maps))
     unet = unet.to(device)

@@ -7,7 +7,7 @@ import os
 from dataclasses import asdict
 
 from ..common import SdkitError
-from .common import (MODEL_MARKER, Parser, add_json, check_input, check_outputs, nonnegative_float, nonnegative_int,
+from .common import (CACHE_DEFAULT, CACHE_HELP, MODEL_MARKER, Parser, cache_folder, add_json, check_input, check_outputs, nonnegative_float, nonnegative_int,
                      phase, positive_float, positive_int, progress_bar, refuse_options, seed, show_result,
                      steering_objectives)  # fmt: skip
 
@@ -55,6 +55,7 @@ def _pipeline(args):
     from ..minisd.pipeline import MiniSDPipeline
 
     check_input(args.model, "--model")
+    phase(f"loading the mini SD {args.model} and its text encoder")
     return MiniSDPipeline.from_pretrained(args.model, args.text_encoder, args.encoders_dir, allow_pickle=args.allow_pickle)
 
 
@@ -179,7 +180,7 @@ def register(sub) -> None:
     q.add_argument("--no-compile", action="store_true", help="skip torch.compile (saves its ~1-2 min start; trains slower)")
     q.add_argument("--checkpoints", metavar="DIR", help="write (and resume from) a checkpoint here")
     q.add_argument("--checkpoint-every", type=positive_int, default=200, help="steps between checkpoints")
-    q.add_argument("--cache", default="weights/cache", help="where the caption states are cached")
+    q.add_argument("--cache", type=cache_folder, default=CACHE_DEFAULT, help=CACHE_HELP)
     encoder_options(q)
     add_json(q)
     q.set_defaults(minisd_func=cmd_minisd_train)

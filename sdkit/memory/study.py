@@ -247,18 +247,18 @@ def plot(r: MemoryReport, path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8), dpi=110)
     d = 64 if any(c.d == 64 for c in r.curves) else r.curves[0].d
     for curve, colour in zip([c for c in r.curves if c.d == d], ("C0", "C1", "C2")):
-        left.loglog(curve.memories, curve.sir, "o-", color=colour, markersize=3, label=f"{curve.phi}")
-        right.semilogx(curve.memories, curve.accuracy, "o-", color=colour, markersize=3, label=curve.phi)
         analytic = analytic_capacity(curve.phi, d)
+        # Capacities go in the legend: written along the lines they overlapped the curves and each other.
+        measured = f", measured {curve.capacity:,.0f} (star)" if curve.capacity else ""
+        left.loglog(curve.memories, curve.sir, "o-", color=colour, markersize=3,
+                    label=f"{curve.phi}: M* = {analytic:,.0f} analytic (dashed){measured}")  # fmt: skip
+        right.semilogx(curve.memories, curve.accuracy, "o-", color=colour, markersize=3, label=curve.phi)
         left.axvline(analytic, color=colour, ls="--", lw=0.8)
-        label = f"{curve.phi} M* = {analytic:,.0f} (analytic)"
         if curve.capacity:
             left.plot([curve.capacity], [1], "*", color=colour, markersize=12)
-            label += f"\n  measured {curve.capacity:,.0f}"
-        left.text(analytic, 0.02, label, rotation=90, fontsize=7, color=colour, transform=left.get_xaxis_transform(),
-                  va="bottom", ha="right")  # fmt: skip
-    for curve, style in zip(r.long_context, ("s--", "^:")):
-        right.semilogx(curve.memories, curve.accuracy, style, color="grey", markersize=4,
+    # Distinct colours and the LogN curve on top: in grey, the two hid each other where they agree.
+    for curve, style, colour, size in zip(r.long_context, ("s--", "^:"), ("C7", "C3"), (6, 4)):
+        right.semilogx(curve.memories, curve.accuracy, style, color=colour, markersize=size, zorder=3,
                        label=f"softmax d={curve.d}, {curve.keys.split(', ')[1]}")  # fmt: skip
     left.axhline(1, color="black", lw=0.8)
     left.set(xlabel="memories M", ylabel="signal / interference", title=f"SIR against M (random keys, d_k = {d})")

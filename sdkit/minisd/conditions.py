@@ -18,6 +18,7 @@ pooled`, same data, budget and seed), on the same prompts and seeds.
 
 from __future__ import annotations
 
+import textwrap
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -26,7 +27,7 @@ import torch
 
 from ..common import format_table
 from ..encoders import token_roles
-from .evaluate import prompt_set, wrap_words
+from .evaluate import prompt_set
 from .judge import ATTRIBUTES, HEADERS, accuracy, accuracy_cells, judge
 from .pipeline import MiniSDPipeline, pool_states
 
@@ -161,7 +162,8 @@ def draw_comparison(c: TokenComparison, path) -> None:
         for k, attribute in enumerate(ATTRIBUTES):
             values = [100 * c.results[n][set_name][attribute] for n in names]
             bars = ax.bar(np.arange(len(names)) + k * width, values, width, label=attribute)
-            ax.bar_label(bars, fmt="%.0f", fontsize=5)
+            if attribute == "all":  # the headline; four labels to a group collide ("9797 9595")
+                ax.bar_label(bars, fmt="%.0f", fontsize=7, padding=1)
         ax.set_xticks(np.arange(len(names)) + 0.4 - width / 2, names, rotation=30, ha="right", fontsize=7)
         ax.set(ylim=(0, 112), title=f"{set_name}")
         ax.set_ylabel("% correct" if column == 0 else "", fontsize=8)
@@ -175,7 +177,7 @@ def draw_comparison(c: TokenComparison, path) -> None:
             if row == 0:
                 ax.set_title(name, fontsize=7)
             if column == 0:
-                ax.text(-0.08, 0.5, wrap_words(c.grid_captions[row]), transform=ax.transAxes, ha="right", va="center",
+                ax.text(-0.08, 0.5, textwrap.fill(c.grid_captions[row], 24), transform=ax.transAxes, ha="right", va="center",
                         fontsize=7)  # fmt: skip
     fig.suptitle(f"{c.model}: one token against many (same prompt and seed along each row)", fontsize=9)
     save_figure(fig, path)

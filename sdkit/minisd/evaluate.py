@@ -11,7 +11,9 @@ edges are not what the judge marks down.
 
 from __future__ import annotations
 
+import itertools
 import random
+import textwrap
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -197,7 +199,7 @@ def draw_panel(ev: Evaluation, path, per_set: int = 8) -> None:
             ax.imshow(ev.images[name][c], interpolation="nearest")
             marks = " ".join(f"{a[0]}{'+' if verdict[a] else '-'}" for a in ("colour", "position", "shape"))
             marks += f" {len(verdict['found'])} found" if verdict["extra"] else ""
-            ax.set_title(wrap_words(ev.scenes[name][c].caption) + f"\n{marks}", fontsize=6.5,
+            ax.set_title(textwrap.fill(ev.scenes[name][c].caption, 24) + f"\n{marks}", fontsize=6.5,
                          color="darkgreen" if verdict["all"] else "firebrick")  # fmt: skip
         axes[r, 0].text(-0.15, 0.5, name, transform=axes[r, 0].transAxes, rotation=90, va="center", ha="right", fontsize=8)
     fig.suptitle(f"{ev.model}: green = all correct (c colour, p position, s shape; 'found' when more objects than "
@@ -206,32 +208,35 @@ def draw_panel(ev: Evaluation, path, per_set: int = 8) -> None:
     save_figure(fig, path)
 
 
-def wrap_words(text: str, width: int = 24) -> str:
-    words, lines, line = text.split(), [], ""
-    for w in words:
-        if line and len(line) + 1 + len(w) > width:
-            lines.append(line)
-            line = w
-        else:
-            line = f"{line} {w}".strip()
-    return "\n".join([*lines, line])
+def grid_places(captions: list[str], most: int = 8) -> tuple[int, int, list[tuple[int, int]]]:
+    """(rows, columns, (row, column) of each image): each run of one caption starts a row (when
+    every caption comes once, they simply fill rows)."""
+    runs = [len(list(group)) for _, group in itertools.groupby(captions)]
+    if max(runs) == 1:
+        runs = [len(captions)]
+    cols = min(most, max(runs))
+    places, row = [], 0
+    for run in runs:
+        places += [(row + i // cols, i % cols) for i in range(run)]
+        row += -(-run // cols)
+    return row, cols, places
 
 
 def sample_grid(images: np.ndarray, captions: list[str], seeds: list[int], path, title: str = "") -> None:
-    """A PNG grid of generated images, each with its caption and seed."""
+    """A PNG grid of generated images, each with its caption and seed. Each run of images with the
+    same caption starts its own row (at most 8 to a row), so a prompt's seeds read along a row."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cols = min(8, len(images))
-    rows = -(-len(images) // cols)
+    rows, cols, places = grid_places(captions)
     fig, axes = plt.subplots(rows, cols, figsize=(1.9 * cols, 2.2 * rows), dpi=110, squeeze=False)
     for ax in axes.flat:
         ax.axis("off")
-    for ax, image, caption, seed in zip(axes.flat, images, captions, seeds):
-        ax.imshow(image, interpolation="nearest")
-        ax.set_title(f"{wrap_words(caption)}\nseed {seed}", fontsize=6.5)
+    for (r, c), image, caption, seed in zip(places, images, captions, seeds):
+        axes[r, c].imshow(image, interpolation="nearest")
+        axes[r, c].set_title(f"{textwrap.fill(caption, 24)}\nseed {seed}", fontsize=6.5)
     if title:
-        fig.suptitle(title, fontsize=9)
+        fig.suptitle(textwrap.fill(title, 18 * cols), fontsize=9)
     save_figure(fig, path)

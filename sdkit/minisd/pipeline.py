@@ -218,6 +218,7 @@ class MiniSDPipeline:
         negative_prompt_embeds defaults to the encoding of the empty prompt, as in training. With
         `steering` (sdkit.steering.SteeringSettings) and one sdkit.steering.Guide per image, the
         cross-attention is steered before each of the first steering.steps denoising steps.
+        `progress` (a tqdm bar counting images, say) moves on by fractions of images at each step.
         """
         steps = num_inference_steps
         trained = self.scheduler_config.get("num_train_timesteps", 1000)
@@ -256,11 +257,9 @@ class MiniSDPipeline:
             stop = min(start + batch_size, n)
             part = None if steering is None else guides[start:stop]
             pixels, steered = self._generate(prompt_embeds[start:stop], negative_prompt_embeds, noise[start:stop],
-                                             guidance_scale, steps, sampler, steering, part)  # fmt: skip
+                                             guidance_scale, steps, sampler, steering, part, progress)  # fmt: skip
             images.append(pixels)
             losses += [[step, start + image, loss] for step, image, loss in steered]
-            if progress is not None:
-                progress.update(stop - start)
         pixels = torch.cat(images)
         return MiniSDOutput(_as_output(pixels, output_type), prompts, seeds, losses)
 
@@ -278,8 +277,10 @@ class MiniSDPipeline:
         return torch.randn(n, channels, side, side, generator=generator)
 
     @torch.no_grad()
-    def _generate(self, states, negative, noise, guidance_scale, steps, sampler, steering=None, guides=None):
-        """(pixels (batch, 3, H, W) in [-1, 1], the steering losses of this batch)."""
+    def _generate(self, states, negative, noise, guidance_scale, steps, sampler, steering=None, guides=None,
+                  progress=None):  # fmt: skip
+        """(pixels (batch, 3, H, W) in [-1, 1], the steering losses of this batch). `progress` moves on
+        by the batch's images over the steps at each step: a batch of 64 images takes minutes."""
         param = next(self.unet.parameters())
         scheduler = self.scheduler(sampler)
         scheduler.set_timesteps(steps)
@@ -307,6 +308,8 @@ class MiniSDPipeline:
             if guided:
                 eps = uncond + guidance_scale * (eps - uncond)
             sample = scheduler.step(eps, t, sample).prev_sample
+            if progress is not None:
+                progress.update(len(states) / len(scheduler.timesteps))
         if not sample.isfinite().all():
             raise SdkitError(f"sampling gave non-finite pixels (guidance scale {guidance_scale:g}, {steps} steps): the "
                              "guided noise prediction overflowed; use a guidance scale nearer the trained range (1-10)")  # fmt: skip

@@ -242,7 +242,7 @@ def run_fingerprint(settings: TrainSettings, unet_config: dict, encoder: TextEnc
 
 def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings | None = None,
           unet_config: dict | None = None, checkpoint_dir: str | os.PathLike | None = None,
-          checkpoint_every: int = 200, cache_dir: str | os.PathLike | None = "weights/cache", progress: bool = True,
+          checkpoint_every: int = 200, cache_dir: str | os.PathLike | None = None, progress: bool = True,
           stop_after: int | None = None) -> TrainResult:  # fmt: skip
     """Train a mini SD and save it (EMA weights) to `out` as a model folder.
 

@@ -1,0 +1,58 @@
+"""What a person sees while a command works: a phase line from the first moment on a terminal,
+cleared before the result; one line per long phase in a log; sample grids one prompt to a row."""
+
+import os
+import select
+import subprocess
+import sys
+import time
+
+import pytest
+
+from sdkit.cli import common
+from sdkit.minisd.evaluate import grid_places
+
+
+def test_a_log_gets_one_line_per_long_phase_and_none_for_short_ones(monkeypatch, capsys):
+    clock = iter([0.0, 3.0, 3.0, 40.0, 40.0, 130.5])
+    monkeypatch.setattr(time, "monotonic", lambda: next(clock))
+    phase = common._Phase()
+    phase.program = "sdkit x"
+    phase("quick")  # 0 -> 3 s: not worth a line
+    phase("sampling 64 images")  # 3 -> 40 s
+    phase("judging")  # 40 -> 130.5 s
+    phase.clear()
+    assert capsys.readouterr().err.splitlines() == ["sdkit x: sampling 64 images: 37 s", "sdkit x: judging: 1 min 30 s"]
+
+
+def test_on_a_terminal_the_first_output_is_the_phase_and_it_is_cleared_before_the_table():
+    if not hasattr(os, "openpty"):
+        pytest.skip("no pseudo-terminals here")
+    master, slave = os.openpty()
+    process = subprocess.Popen([sys.executable, "-m", "sdkit", "audit", "tiny"], stdin=subprocess.DEVNULL,
+                               stdout=slave, stderr=slave)  # fmt: skip
+    os.close(slave)
+    out = b""
+    while True:
+        ready, _, _ = select.select([master], [], [], 60)
+        try:
+            chunk = os.read(master, 65536) if ready else b""
+        except OSError:  # the terminal closed
+            chunk = b""
+        if not chunk:
+            break
+        out += chunk
+    process.wait(timeout=60)
+    os.close(master)
+    text = out.decode()
+    assert process.returncode == 0, text
+    assert text.startswith("\r\x1b[Ksdkit audit: loading torch and the model code ..."), text[:200]
+    before, table = text.rsplit("\r\x1b[K", 1)  # the last clear, then only the result
+    assert "sdkit audit:" not in table and "parameters" in table.lower(), table[:300]
+
+
+def test_each_prompt_of_a_sample_grid_starts_its_own_row():
+    assert grid_places(["a"] * 6 + ["b"] * 6) == (2, 6, [(0, c) for c in range(6)] + [(1, c) for c in range(6)])
+    rows, cols, places = grid_places(["a"] * 10 + ["b"] * 3)
+    assert (rows, cols) == (3, 8) and places[8:10] == [(1, 0), (1, 1)] and places[10:] == [(2, 0), (2, 1), (2, 2)]
+    assert grid_places(["a", "b", "c"]) == (1, 3, [(0, 0), (0, 1), (0, 2)])  # one seed each: side by side
