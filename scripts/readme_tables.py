@@ -234,7 +234,20 @@ def memory_context_table() -> str:
     return markdown(["memories", *(f"{c['keys']}: SIR / retrieval" for c in curves)], rows)
 
 
-TABLES = {"compute": compute_table, "eval": eval_table, "ablation": ablation_table, "probe": probe_table, "leakage": leakage_table, "verdicts": verdict_table,
+def timings_table() -> str:
+    data = load("timings")
+    machine = data["machine"]
+    rows = []
+    for r in data["rows"]:
+        took = f"{r['seconds']:,.0f} s" if r["seconds"] < 120 else f"{r['seconds'] / 60:.0f} min"
+        rows.append([f"`{r['command']}`", took if r["finished"] else f"over {took} (stopped)",
+                     f"{r['first_output']} s", f"{r['longest_silence']} s"])  # fmt: skip
+    where = f"{machine['cpus']} CPU cores" + (f", {machine['gpu']}" if machine["gpu"] else ", no GPU")
+    return markdown([f"command ({where}; cold: a new process)", "wall time", "first output", "longest silence"],
+                    rows)  # fmt: skip
+
+
+TABLES = {"timings": timings_table, "compute": compute_table, "eval": eval_table, "ablation": ablation_table, "probe": probe_table, "leakage": leakage_table, "verdicts": verdict_table,
           "steering": steering_table, "tokens": tokens_table, "maps": maps_table, "adapter": adapter_table,
           "memory": memory_table, "memory-real": memory_real_table,
           "memory-levels": memory_levels_table, "memory-context": memory_context_table}  # fmt: skip

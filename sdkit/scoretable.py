@@ -184,7 +184,7 @@ def format_score_tables(t: ScoreTables) -> str:
                  format_bytes(lv.bytes_per_head), format_bytes(lv.bytes_all_heads)] for lv in t.cross]  # fmt: skip
         out.append("\n" + format_table(
             ["level", "cells", "text tokens", "heads", "layers", "scores per head", "per head", "all heads"], rows,
-            title=f"Cross-attention score tables (cells x {t.text_tokens} text tokens: linear in the cells, so "
+            title=f"Cross-attention score tables (cells x {t.text_tokens} text tokens: linear in the cells,\nso "
                   f"the pixel level costs {t.cross[-1].tokens // t.cross[0].tokens:,}x the latent, not "
                   f"{t.pixel.entries_per_head // finest.entries_per_head:,}x)",
         ))  # fmt: skip

@@ -161,15 +161,19 @@ def register(sub) -> None:
                             "(0: skip)")  # fmt: skip
         add_json(q)
 
-    q = adapter_sub.add_parser("demo", help="the whole comparison on the best encoders available here (minutes)")
+    q = adapter_sub.add_parser("demo", help="the whole comparison on the best encoders available here (minutes)",
+                               description="The whole comparison on the best encoders available here (minutes).")  # fmt: skip
     q.add_argument("--prompts", type=at_most(MAX_PROMPTS, "generated prompts repeat long before that"), default=300,
                    help="generated prompts")
     q.add_argument("--full", action="store_true", help="the benchmark-sized run: 2,400 prompts, 24 epochs")
-    q.add_argument("--encoders-dir", default="weights/encoders", help="where to look for (or build) encoders")
+    q.add_argument("--encoders-dir", default="weights/encoders",
+                   help="where the real pair is (scripts/get_real_encoders.py puts it there); without it, tiny random "
+                        "encoders are built into the cache")  # fmt: skip
     training_options(q, "weights/adapters/demo")
     q.set_defaults(adapter_func=cmd_adapter_demo)
 
-    q = adapter_sub.add_parser("train", help="encode a corpus with both encoders, fit, train and score adapters")
+    q = adapter_sub.add_parser("train", help="encode a corpus with both encoders, fit, train and score adapters",
+                               description="Encode a corpus with both encoders, fit, train and score adapters.")  # fmt: skip
     q.add_argument("--new", required=True, metavar="DIR", help="the new text encoder (transformers folder)")
     q.add_argument("--old", required=True, metavar="DIR", help="the encoder the U-Net was trained with")
     q.add_argument("--corpus", metavar="FILE", help="prompts, one per line (default: generated prompts)")
@@ -181,7 +185,8 @@ def register(sub) -> None:
     training_options(q, "weights/adapters/latest")
     q.set_defaults(adapter_func=cmd_adapter_train)
 
-    q = adapter_sub.add_parser("encode", help="write prompt embeddings for a frozen SD 1.x U-Net")
+    q = adapter_sub.add_parser("encode", help="write prompt embeddings for a frozen SD 1.x U-Net",
+                               description="Write prompt embeddings for a frozen SD 1.x U-Net.")  # fmt: skip
     q.add_argument("prompts", nargs="+", help="the prompts to encode")
     q.add_argument("--adapter", required=True, metavar="DIR", help="a saved adapter folder")
     q.add_argument("--new", required=True, metavar="DIR", help="the new text encoder the adapter reads")

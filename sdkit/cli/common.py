@@ -24,8 +24,8 @@ STEERING_OBJECTIVES = ("excite", "bind", "layout")  # steering.OBJECTIVES
 
 
 CACHE_DEFAULT = "default"
-CACHE_HELP = ("where encoded text states (and the demo's tiny encoders) are cached ('%(default)s': $SDKIT_CACHE, "
-              "else the platform's cache folder, ~/.cache/sdkit on Linux)")  # fmt: skip
+CACHE_HELP = ("where encoded text states (and the demo's tiny encoders) are cached; 'default' is $SDKIT_CACHE, "
+              "else the platform's cache folder, ~/.cache/sdkit on Linux")  # fmt: skip
 
 
 def cache_folder(text: str):
@@ -261,7 +261,7 @@ class _Phase:
         while True:
             time.sleep(1)
             with self._lock:
-                if self.ticking and self.text is not None:
+                if self.ticking and self.text is not None and not _library_bars():
                     self._draw()
                 elif self.bar is not None and not self.bar.disable:
                     self.bar.refresh()  # its clock moves on between slow steps
@@ -282,6 +282,13 @@ class _Phase:
 
 def _terminal() -> bool:
     return sys.stderr.isatty()
+
+
+def _library_bars() -> bool:
+    """Whether a progress bar the library drew itself (encoding, training) owns the line now."""
+    from tqdm import tqdm
+
+    return any(not bar.disable for bar in list(tqdm._instances))
 
 
 def format_duration(seconds: float) -> str:

@@ -154,7 +154,7 @@ def register(sub) -> None:
     p.add_argument("--seed", type=seed, default=0, help="seed of the latent (and of synthetic tokens)")
     p.add_argument("--maps", metavar="DIR", help="write a PNG heatmap per word and an overview grid here")
     p.add_argument("--shared-scale", action="store_true", help="one colour scale for all maps")
-    p.add_argument("--map-sides", type=grid_sides, help="only layers with these grid sides in the maps, e.g. 16,32")
+    p.add_argument("--map-sides", type=grid_sides, help="only layers with these grid sides in the maps, e.g. 16,32 (default: every layer)")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
     p.add_argument("--allow-pickle", action="store_true", help="read pickle weights (with weights_only=True)")
     p.add_argument("--masks", action="store_true",
