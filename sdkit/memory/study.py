@@ -249,7 +249,7 @@ def plot(r: MemoryReport, path) -> None:
     for curve, colour in zip([c for c in r.curves if c.d == d], ("C0", "C1", "C2")):
         analytic = analytic_capacity(curve.phi, d)
         # Capacities go in the legend: written along the lines they overlapped the curves and each other.
-        measured = f", measured {curve.capacity:,.0f} (star)" if curve.capacity else ""
+        measured = f"\nmeasured {curve.capacity:,.0f} (star)" if curve.capacity else ""
         left.loglog(curve.memories, curve.sir, "o-", color=colour, markersize=3,
                     label=f"{curve.phi}: M* = {analytic:,.0f} analytic (dashed){measured}")  # fmt: skip
         right.semilogx(curve.memories, curve.accuracy, "o-", color=colour, markersize=3, label=curve.phi)
@@ -266,6 +266,8 @@ def plot(r: MemoryReport, path) -> None:
               ylim=(-0.02, 1.02))  # fmt: skip
     for ax in (left, right):
         ax.grid(True, which="both", alpha=0.2)
-        ax.legend(fontsize=7)
+    # Below the panels: inside, every corner of the SIR panel has a curve running through it.
+    left.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
+    right.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
     save_figure(fig, path)
 
