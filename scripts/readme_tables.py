@@ -239,7 +239,8 @@ def timings_table() -> str:
     machine = data["machine"]
     rows = []
     for r in data["rows"]:
-        took = f"{r['seconds']:,.0f} s" if r["seconds"] < 120 else f"{r['seconds'] / 60:.0f} min"
+        took = (f"{r['seconds']:.1f} s" if r["seconds"] < 10 else f"{r['seconds']:,.0f} s" if r["seconds"] < 120
+                else f"{r['seconds'] / 60:.0f} min")  # fmt: skip
         rows.append([f"`{r['command']}`", took if r["finished"] else f"over {took} (stopped)",
                      f"{r['first_output']} s", f"{r['longest_silence']} s"])  # fmt: skip
     where = f"{machine['cpus']} CPU cores" + (f", {machine['gpu']}" if machine["gpu"] else ", no GPU")

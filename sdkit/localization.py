@@ -246,7 +246,7 @@ def format_localization(r: Localization) -> str:
     headers = ["layers", "t", "n", "IoU word", "IoU other", "IoU centre", "IoU unif.", "AUC word", "AUC other",
                "AUC centre"]  # fmt: skip
     title = (f"{r.model}, {r.count} {r.images} images:\ncolour and shape word maps against their object's mask "
-             f"(IoU at tau = {DAAM_TAU}; AUC 0.5 = chance; n = word maps scored: colour and shape words of "
+             f"(IoU at tau = {DAAM_TAU}; AUC 0.5 = chance;\nn = word maps scored: colour and shape words of "
              f"objects the judge found)")  # fmt: skip
     out = [format_table(headers, rows, title=title)]
     if r.note:

@@ -106,6 +106,7 @@ def test_cache_is_reused_when_settings_match_and_rebuilt_when_not(tiny_pair, tmp
     assert len(list(tmp_path.iterdir())) == 3  # one cache folder per distinct setting
 
 
+@pytest.mark.slow  # half a minute; the mini SD's resume test runs by default
 def test_interrupted_training_resumes_to_the_same_result(encoded, tmp_path):
     train, val, (x_test, y_test) = encoded
     config = TrainConfig(kind="mlp", max_epochs=4, patience=100)

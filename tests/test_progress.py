@@ -14,13 +14,14 @@ from sdkit.minisd.evaluate import grid_places
 
 
 def test_a_log_gets_one_line_per_long_phase_and_none_for_short_ones(monkeypatch, capsys):
-    clock = iter([0.0, 3.0, 3.0, 40.0, 40.0, 130.5])
-    monkeypatch.setattr(time, "monotonic", lambda: next(clock))
+    now = [0.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
     phase = common._Phase()
     phase.program = "sdkit x"
-    phase("quick")  # 0 -> 3 s: not worth a line
-    phase("sampling 64 images")  # 3 -> 40 s
-    phase("judging")  # 40 -> 130.5 s
+    for at, text in ((0.0, "starting"), (20.0, "quick"), (23.0, "sampling 64 images"), (60.0, "judging")):
+        now[0] = at
+        phase(text, log=text != "starting")  # the start-up is never logged; "quick" takes 3 s: no line
+    now[0] = 150.5
     phase.clear()
     assert capsys.readouterr().err.splitlines() == ["sdkit x: sampling 64 images: 37 s", "sdkit x: judging: 1 min 30 s"]
 

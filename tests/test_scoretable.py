@@ -137,6 +137,7 @@ def test_cli_scoretable(cli, tmp_path):
     assert code == 2 and "multiples of 8" in err
 
 
+@pytest.mark.slow  # the script's own logic, on the CPU; CI runs it with -m slow
 def test_gpu_script_logic_on_cpu(tmp_path):
     import importlib.util
     from pathlib import Path

@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         args.given = given_options(parser, argv)
         name = phase.program = f"sdkit {args.command}"
-        phase("loading torch and the model code")  # the first seconds of most commands
+        # The first seconds of most commands: shown on a terminal; a log has no use for a line on it.
+        phase("loading torch and the model code", log=False)
         args.func(args)
         phase.clear()
     except BaseException as e:  # noqa: BLE001 (sorted below; anything else goes on as it was)

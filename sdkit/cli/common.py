@@ -231,17 +231,18 @@ class _Phase:
         self.text: str | None = None
         self.began = 0.0
         self.ticking = False  # False while a progress bar owns the line
+        self.log = True  # False: not worth a line in a log (the start-up)
         self.bar = None  # that bar
         self._lock = threading.RLock()  # a Ctrl-C handler may clear while the main thread draws
         self._thread = None
 
-    def __call__(self, text: str, ticking: bool = True) -> None:
+    def __call__(self, text: str, ticking: bool = True, log: bool = True) -> None:
         import threading
         import time
 
         self.clear()
         with self._lock:
-            self.text, self.began, self.ticking = text, time.monotonic(), ticking and _terminal()
+            self.text, self.began, self.ticking, self.log = text, time.monotonic(), ticking and _terminal(), log
             if self.ticking:
                 self._draw()
                 if self._thread is None:
@@ -274,7 +275,7 @@ class _Phase:
                 return
             if _terminal():
                 sys.stderr.write("\r\033[K")
-            elif (took := time.monotonic() - self.began) >= 10:
+            elif self.log and (took := time.monotonic() - self.began) >= 10:
                 sys.stderr.write(f"{self.program}: {self.text}: {format_duration(took)}\n")
             sys.stderr.flush()
             self.text, self.ticking, self.bar = None, False, None
