@@ -250,6 +250,7 @@ def test_the_shipped_model_is_a_minisd_preset_u_net(cli):
     assert size <= 30 * 2**20
 
 
+@pytest.mark.slow  # torch.compile of every block: a quarter-minute; CI runs it with -m slow
 def test_compiled_blocks_give_every_gradient_eager_gives():
     # Compiling the whole U-Net under bfloat16 autocast left 280 of 326 parameters without a
     # gradient (inductor, torch 2.13, CPU): training ran, the loss fell, the model never read text.

@@ -151,7 +151,7 @@ print(json.dumps({"peak": peak, "predicted": predicted_forward_bytes(unet, (side
 """
 
 
-@pytest.mark.parametrize("side", [32, 64, 128])
+@pytest.mark.parametrize("side", [32, 64, pytest.param(128, marks=pytest.mark.slow)])
 def test_4_prediction_bounds_the_measured_peak(side):
     # In a fresh process (memory a process freed and kept would hide the peak), with a fixed mmap
     # threshold so that large tensors come from, and go back to, the system.
@@ -444,6 +444,7 @@ def test_13_valid_uint_tensors_are_not_corrupt(cli, tmp_path):
     assert code == 0 and json.loads(out)["total"] == 72 + 4, err
 
 
+@pytest.mark.slow  # every fuzzed config through a forward pass; CI runs it with -m slow
 def test_13_config_fuzz_through_condition(cli, micro, tmp_path):
     root, _ = micro
     weights = (root / "folder" / "diffusion_pytorch_model.safetensors").read_bytes()
