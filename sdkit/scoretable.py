@@ -85,7 +85,7 @@ def table_bytes(tokens: int, dtype: str, heads: int = 1, batch: int = 1, query_t
     return batch * heads * (tokens if query_tokens is None else query_tokens) * tokens * element_size(dtype)
 
 
-def self_attention_levels(preset: str) -> tuple[list[dict], int]:
+def attention_levels(preset: str) -> tuple[list[dict], int]:
     """Per U-Net depth: heads, head size and how many self- and cross-attention layers run there;
     and the pixels per grid cell at the input (8 through SD's VAE, 1 for a pixel-space U-Net)."""
     # Imported here: the CPU measurement children import this module and need only torch.
@@ -123,8 +123,8 @@ def score_tables(height: int = 512, width: int | None = None, preset: str = "sd1
         raise SdkitError(f"batch must be at least 1, not {batch}")
     if text_tokens < 1:
         raise SdkitError(f"text tokens must be at least 1, not {text_tokens}")
-    attention_levels, factor = self_attention_levels(preset)
-    if not attention_levels:
+    depths, factor = attention_levels(preset)
+    if not depths:
         raise SdkitError(f"{preset} has no self-attention layers")
     if height <= 0 or width <= 0 or height % factor or width % factor:
         raise SdkitError(f"image size {height}x{width}: both sides must be positive multiples of {factor}")
@@ -138,7 +138,7 @@ def score_tables(height: int = 512, width: int | None = None, preset: str = "sd1
         return Level(name, grid, tokens, heads, head_dim, layers, tokens * keys, per_head, per_head * heads * effective)
 
     levels, cross = [], []
-    for info in attention_levels:
+    for info in depths:
         grid = latent_grid(height, width, info["depth"], factor)
         name = f"{grid_name} {grid[0]}x{grid[1]}"
         levels.append(level(name, grid, info["heads"], info["head_dim"], info["layers"]))
@@ -150,7 +150,7 @@ def score_tables(height: int = 512, width: int | None = None, preset: str = "sd1
         cross.append(level(pixel.name, pixel.grid, finest.heads, finest.head_dim, 0, text_tokens))
 
     sweep = []
-    finest_depth = attention_levels[0]["depth"]
+    finest_depth = depths[0]["depth"]
     requested = finest.tokens
     for scale in SWEEP_SCALES:
         h, w = (max(factor, round(side * scale / factor) * factor) for side in (height, width))

@@ -99,8 +99,6 @@ def test_token_conditions_have_the_right_shapes(micro_pipes):
 def test_findings_commands_run_on_a_micro_model(micro_pipes, cli, tmp_path):
     import json
 
-    from sdkit.minisd.pipeline import MiniSDPipeline  # noqa: F401 (the folders below are written by train)
-
     folder = tmp_path / "model"
     micro_pipes["tokens"].save_pretrained(folder)
     pooled = tmp_path / "pooled"

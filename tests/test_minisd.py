@@ -187,6 +187,22 @@ def test_sampling_is_deterministic_by_seed(micro_model, bert):
     assert not np.allclose(first[0], pipe(prompts[:1], num_inference_steps=3, seeds=[5]).images[0])
 
 
+def test_progress_moves_at_every_step_and_ends_on_its_total(micro_model, bert):
+    class Count:
+        def __init__(self):
+            self.updates = []
+
+        def update(self, n):
+            self.updates.append(n)
+
+    pipe = MiniSDPipeline.from_pretrained(micro_model, text_encoder=bert.source)
+    count = Count()
+    pipe(["a red circle at the top left"] * 5, num_inference_steps=7, seeds=list(range(5)), batch_size=3,
+         progress=count)  # fmt: skip
+    assert len(count.updates) == 2 * 7  # each step of each batch (3 + 2 images)
+    assert sum(count.updates) == 5  # exactly: sevenths summed as floats give 4.999999999999999
+
+
 def test_pooled_model_reads_one_key_value(bert, tmp_path):
     out = tmp_path / "pooled"
     train(out, bert, _settings(conditioning="pooled"), micro_config(bert.width), progress=False, cache_dir=None)

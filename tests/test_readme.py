@@ -68,7 +68,8 @@ def test_every_python_snippet_runs_as_written(tiny_sd, tmp_path, monkeypatch):
         namespaces.append({})
         exec(compile(snippet, "README.md", "exec"), namespaces[-1])  # noqa: S102 (our own README)
     audit, traced, adapted = namespaces
-    assert 0 < audit["a"].attention_blocks["mlp_share"] < 1
+    assert audit["a"].attention_blocks["mlp_share"] == pytest.approx(0.5567934304288111, rel=1e-12)
+    assert audit["a"].text_width_swap["parameter_change"] == 6_389_760  # to_k, to_v: 2 x 256 x (5x320 + 5x640 + 6x1280)
     maps = load_file("maps.safetensors")
     assert sorted({key.split("@")[1] for key in maps}) == ["501", "981"]
     assert next(iter(maps.values())).shape[:2] == (2, 4)  # two prompts, four heads kept

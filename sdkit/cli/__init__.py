@@ -48,8 +48,7 @@ def quiet_libraries() -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
     warnings.filterwarnings("ignore", category=FutureWarning)
-    # tqdm's: a count moved on by fractions of images can pass its total by 1e-16 ("clamping frac").
-    warnings.filterwarnings("ignore", module=r"(diffusers|transformers|torch|accelerate|huggingface_hub|matplotlib|tqdm)(\.|$)")
+    warnings.filterwarnings("ignore", module=r"(diffusers|transformers|torch|accelerate|huggingface_hub|matplotlib)(\.|$)")
     for name in ("diffusers", "transformers", "accelerate", "huggingface_hub", "torch", "matplotlib"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
 

@@ -7,7 +7,8 @@ import json
 import sys
 
 from ..common import SdkitError, check_output
-from .common import (ADAPTER_KINDS, ADAPTERS_MARKER, CACHE_DEFAULT, CACHE_HELP, LAYERS, Parser, adapter_kinds, at_most, add_json,
+from .common import (ADAPTER_KINDS, ADAPTERS_MARKER, CACHE_DEFAULT, CACHE_HELP, LAYERS, Parser, adapter_kinds, add_json,
+                     add_subcommand, at_most,
                      cache_folder, check_input, check_outputs, minisd_spec,
                      nonnegative_float, nonnegative_int, phase, positive_float, positive_int, progress_bar, seed,
                      show_result)  # fmt: skip
@@ -161,8 +162,7 @@ def register(sub) -> None:
                             "(0: skip)")  # fmt: skip
         add_json(q)
 
-    q = adapter_sub.add_parser("demo", help="the whole comparison on the best encoders available here (minutes)",
-                               description="The whole comparison on the best encoders available here (minutes).")  # fmt: skip
+    q = add_subcommand(adapter_sub, "demo", "the whole comparison on the best encoders available here (minutes)")
     q.add_argument("--prompts", type=at_most(MAX_PROMPTS, "generated prompts repeat long before that"), default=300,
                    help="generated prompts")
     q.add_argument("--full", action="store_true", help="the benchmark-sized run: 2,400 prompts, 24 epochs")
@@ -172,8 +172,7 @@ def register(sub) -> None:
     training_options(q, "weights/adapters/demo")
     q.set_defaults(adapter_func=cmd_adapter_demo)
 
-    q = adapter_sub.add_parser("train", help="encode a corpus with both encoders, fit, train and score adapters",
-                               description="Encode a corpus with both encoders, fit, train and score adapters.")  # fmt: skip
+    q = add_subcommand(adapter_sub, "train", "encode a corpus with both encoders, fit, train and score adapters")
     q.add_argument("--new", required=True, metavar="DIR", help="the new text encoder (transformers folder)")
     q.add_argument("--old", required=True, metavar="DIR", help="the encoder the U-Net was trained with")
     q.add_argument("--corpus", metavar="FILE", help="prompts, one per line (default: generated prompts)")
@@ -185,8 +184,7 @@ def register(sub) -> None:
     training_options(q, "weights/adapters/latest")
     q.set_defaults(adapter_func=cmd_adapter_train)
 
-    q = adapter_sub.add_parser("encode", help="write prompt embeddings for a frozen SD 1.x U-Net",
-                               description="Write prompt embeddings for a frozen SD 1.x U-Net.")  # fmt: skip
+    q = add_subcommand(adapter_sub, "encode", "write prompt embeddings for a frozen SD 1.x U-Net")
     q.add_argument("prompts", nargs="+", help="the prompts to encode")
     q.add_argument("--adapter", required=True, metavar="DIR", help="a saved adapter folder")
     q.add_argument("--new", required=True, metavar="DIR", help="the new text encoder the adapter reads")

@@ -37,6 +37,11 @@ def cache_folder(text: str):
     return default_cache() if text == CACHE_DEFAULT else Path(text)
 
 
+def add_subcommand(sub, name: str, help: str) -> "Parser":
+    """A subcommand whose --help opens with the line its parent's list shows."""
+    return sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".")
+
+
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows each option's default, except where there is none to show."""
 
@@ -306,8 +311,6 @@ def progress_bar(args, **kwargs):
     from tqdm import tqdm
 
     phase(kwargs.get("desc", "working"), ticking=False)
-    if _terminal():
-        sys.stderr.write("\r\033[K")
     if kwargs.get("total") and not kwargs.get("unit_scale"):
         kwargs.setdefault("bar_format", "{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} {unit} "
                                         "[{elapsed}<{remaining}{postfix}]")  # fmt: skip

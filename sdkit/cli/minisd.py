@@ -7,7 +7,7 @@ import os
 from dataclasses import asdict
 
 from ..common import SdkitError
-from .common import (CACHE_DEFAULT, CACHE_HELP, MODEL_MARKER, Parser, cache_folder, add_json, check_input, check_outputs, nonnegative_float, nonnegative_int,
+from .common import (CACHE_DEFAULT, CACHE_HELP, MODEL_MARKER, Parser, add_json, add_subcommand, cache_folder, check_input, check_outputs, nonnegative_float, nonnegative_int,
                      phase, positive_float, positive_int, progress_bar, refuse_options, seed, show_result,
                      steering_objectives)  # fmt: skip
 
@@ -162,8 +162,7 @@ def register(sub) -> None:
         encoder_options(q)
         add_json(q)
 
-    q = minisd_sub.add_parser("train", help="train a mini SD (the shipped recipe: ~13 min on 2 CPU cores)",
-                              description="Train a mini SD (the shipped recipe: ~13 min on 2 CPU cores).")  # fmt: skip
+    q = add_subcommand(minisd_sub, "train", "train a mini SD (the shipped recipe: ~13 min on 2 CPU cores)")
     q.add_argument("--out", default="out/minisd",
                    help="save the model folder here: a new or empty folder, or a mini SD folder, whose model is "
                         "replaced (other files in it are kept); the shipped model is weights/minisd")  # fmt: skip
@@ -186,8 +185,7 @@ def register(sub) -> None:
     add_json(q)
     q.set_defaults(minisd_func=cmd_minisd_train)
 
-    q = minisd_sub.add_parser("sample", help="generate images for prompts, as a PNG grid",
-                              description="Generate images for prompts, as a PNG grid.")  # fmt: skip
+    q = add_subcommand(minisd_sub, "sample", "generate images for prompts, as a PNG grid")
     q.add_argument("prompts", nargs="+", help="captions, e.g. 'a red circle at the top left'")
     q.add_argument("--seeds", type=positive_int, default=8, help="images per prompt (seeds first-seed, +1, ...)")
     q.add_argument("--first-seed", type=seed, default=0, help="seed of the first image")
@@ -195,8 +193,7 @@ def register(sub) -> None:
     sampling_options(q)
     q.set_defaults(minisd_func=cmd_minisd_sample)
 
-    q = minisd_sub.add_parser("eval", help="judge generated images against their captions, with floors",
-                              description="Judge generated images against their captions, with floors.")  # fmt: skip
+    q = add_subcommand(minisd_sub, "eval", "judge generated images against their captions, with floors")
     q.add_argument("--count", type=positive_int, default=64, help="prompts per set")
     q.add_argument("--sets", default="singles,pairs,held_out_singles,held_out_pairs", help="comma-separated sets")
     q.add_argument("--no-floors", action="store_true", help="skip the empty-prompt and untrained floors")

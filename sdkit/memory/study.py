@@ -264,10 +264,8 @@ def plot(r: MemoryReport, path) -> None:
     left.set(xlabel="memories M", ylabel="signal / interference", title=f"SIR against M (random keys, d_k = {d})")
     right.set(xlabel="memories M", ylabel="retrieval accuracy", title="Is the nearest stored value the target?",
               ylim=(-0.02, 1.02))  # fmt: skip
-    for ax in (left, right):
+    for ax in (left, right):  # legends below: inside, every corner of the SIR panel has a curve running through it
         ax.grid(True, which="both", alpha=0.2)
-    # Below the panels: inside, every corner of the SIR panel has a curve running through it.
-    left.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
-    right.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
     save_figure(fig, path)
 

@@ -296,6 +296,7 @@ class MiniSDPipeline:
             from ..steering import Steerer
 
             steerer = Steerer(self.unet, steering, self.model_input)
+        moved = 0  # in 1/1024 images: dyadic updates add up exactly, so a count ends on its total
         for i, t in enumerate(scheduler.timesteps):
             if steering is not None:
                 sample = steerer.step(sample, t, states, guides, i, len(scheduler.timesteps))
@@ -309,7 +310,9 @@ class MiniSDPipeline:
                 eps = uncond + guidance_scale * (eps - uncond)
             sample = scheduler.step(eps, t, sample).prev_sample
             if progress is not None:
-                progress.update(len(states) / len(scheduler.timesteps))
+                done = round(1024 * len(states) * (i + 1) / len(scheduler.timesteps))
+                progress.update((done - moved) / 1024)
+                moved = done
         if not sample.isfinite().all():
             raise SdkitError(f"sampling gave non-finite pixels (guidance scale {guidance_scale:g}, {steps} steps): the "
                              "guided noise prediction overflowed; use a guidance scale nearer the trained range (1-10)")  # fmt: skip
