@@ -254,3 +254,20 @@ def test_a_report_says_when_training_never_beat_its_start(tiny_pair):
     assert report.methods["mlp"]["rel_mse"] == pytest.approx(report.methods["lstsq"]["rel_mse"], rel=1e-3)
     report = compare_adapters(new, old, prompts, ("linear",), TrainConfig(max_epochs=3), progress=False)
     assert report.best_epochs["linear"] > 0 and "of 3; epoch 0: " in format_report(report)
+
+
+def test_the_explanation_loads_no_torch_and_the_package_names_load_on_use(tmp_path):
+    import subprocess
+    import sys
+
+    import sdkit.adapter
+
+    code = ("import sys; from sdkit.cli import main; rc = main(['adapter', '--encoders-dir', sys.argv[1]]); "
+            "heavy = [m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules]; "
+            "assert not heavy, heavy; sys.exit(rc)")  # fmt: skip
+    run = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("sdkit adapter: swap the text encoder")
+    assert sdkit.adapter.TrainConfig is TrainConfig and "compare_adapters" in dir(sdkit.adapter)
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        sdkit.adapter.nothing

@@ -90,6 +90,20 @@ def test_each_objective_falls_under_its_own_guidance(tiny_sd, objective):
     assert len(steerer.losses) == 1 and steerer.losses[0][2] == pytest.approx(before, rel=1e-5)
 
 
+def test_layout_loss_is_the_share_outside_squared():
+    from sdkit.steering import layout_loss
+
+    maps = torch.zeros(12, 12, 3)
+    maps[0:4, 0:4, 1] = 1.0  # token 1: a blob at the top left
+    maps[0:4, 0:4, 2] = 1.0  # token 2: half there, half in a blob at the bottom right
+    maps[8:12, 8:12, 2] = 1.0
+    left = torch.zeros(12, 12)
+    left[:, :6] = 1
+    assert float(layout_loss(maps, [([1], left)])) == pytest.approx(0.0, abs=1e-6)
+    assert float(layout_loss(maps, [([2], left)])) == pytest.approx(0.25, abs=1e-6)
+    assert float(layout_loss(maps, [([2], 1 - left)])) == pytest.approx(0.25, abs=1e-6)
+
+
 def test_processors_are_restored_after_steering_and_after_an_error(tiny_sd):
     from sdkit.steering import Guide, Steerer, SteeringSettings
 

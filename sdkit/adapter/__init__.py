@@ -13,15 +13,30 @@ and measure all of them against honest baselines, down to the U-Net's noise pred
     demo.py        the encoder pair at hand, and what `sdkit adapter` says of itself
 """
 
-from .demo import available_pair, explanation
-from .evaluation import (METHODS, REPORT_FILE, AdapterReport, bootstrap_intervals, compare_adapters, compare_methods,
-                         format_report, token_metrics, unet_noise_error)  # fmt: skip
-from .model import KINDS, TextEncoderAdapter, adapted_embeddings, load_adapter
-from .prompts import EncodedPrompts, check_alignment, distinct_prompts, encode_prompts, generate_prompts, read_prompts
-from .training import Interrupted, TrainConfig, fit_lstsq, relative_mse, split_by_prompt, train_adapter
+import importlib
 
-__all__ = ["METHODS", "KINDS", "REPORT_FILE", "AdapterReport", "EncodedPrompts", "Interrupted", "TextEncoderAdapter",
-           "TrainConfig", "adapted_embeddings", "available_pair", "bootstrap_intervals", "check_alignment",
-           "compare_adapters", "compare_methods", "distinct_prompts", "encode_prompts", "explanation",
-           "fit_lstsq", "format_report", "generate_prompts", "load_adapter", "read_prompts", "relative_mse",
-           "split_by_prompt", "token_metrics", "train_adapter", "unet_noise_error"]  # fmt: skip
+# Names are loaded on first use (PEP 562): `sdkit adapter`'s explanation needs none of torch, and a
+# notebook's `from sdkit.adapter import compare_adapters` loads what it names.
+_HOMES = {
+    "demo": ("available_pair", "explanation"),
+    "evaluation": ("METHODS", "REPORT_FILE", "AdapterReport", "bootstrap_intervals", "compare_adapters",
+                   "compare_methods", "format_report", "token_metrics", "unet_noise_error"),
+    "model": ("KINDS", "TextEncoderAdapter", "adapted_embeddings", "load_adapter"),
+    "prompts": ("EncodedPrompts", "check_alignment", "distinct_prompts", "encode_prompts", "generate_prompts",
+                "read_prompts"),
+    "training": ("Interrupted", "TrainConfig", "fit_lstsq", "relative_mse", "split_by_prompt", "train_adapter"),
+}  # fmt: skip
+_HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
+__all__ = sorted(_HOME_OF)
+
+
+def __getattr__(name: str):
+    if name not in _HOME_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_HOME_OF[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -163,7 +163,9 @@ def draw_comparison(c: TokenComparison, path) -> None:
             values = [100 * c.results[n][set_name][attribute] for n in names]
             bars = ax.bar(np.arange(len(names)) + k * width, values, width, label=attribute)
             if attribute == "all":  # the headline; four labels to a group collide ("9797 9595")
-                ax.bar_label(bars, fmt="%.0f", fontsize=7, padding=1)
+                # on a white box: a label can stand over a taller neighbouring bar
+                ax.bar_label(bars, fmt="%.0f", fontsize=7, padding=1,
+                             bbox={"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "none"})  # fmt: skip
         ax.set_xticks(np.arange(len(names)) + 0.4 - width / 2, names, rotation=30, ha="right", fontsize=7)
         ax.set(ylim=(0, 112), title=f"{set_name}")
         ax.set_ylabel("% correct" if column == 0 else "", fontsize=8)
