@@ -91,7 +91,8 @@ def main() -> int:
     parser.add_argument("--skip", action="append", default=[], help="leave out commands containing this text (repeatable)")
     parser.add_argument("--cap", type=float, default=180.0, help="seconds each command may run (default 180)")
     parser.add_argument("--json", action="store_true", help="the rows as JSON")
-    parser.add_argument("--json-out", help="also write the rows, with the machine they ran on, to this file")
+    parser.add_argument("--json-out", help="also write the rows, with the machine they ran on, to this file (with "
+                                           "--only or --skip, the rows of the commands left out are kept from it)")
     args = parser.parse_args()
     if not shutil.which("sdkit", path=str(Path(sys.executable).parent)):
         sys.exit("silence.py: no sdkit command beside this Python; pip install . first")
@@ -117,8 +118,13 @@ def main() -> int:
         machine = {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
                    "python": platform.python_version(), "torch": torch.__version__,
                    "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}  # fmt: skip
-        Path(args.json_out).write_text(json.dumps({"machine": machine, "cap_seconds": args.cap, "rows": rows},
-                                                  indent=2) + "\n")  # fmt: skip
+        out, written = Path(args.json_out), rows
+        if (args.only or args.skip) and out.is_file():  # a partial run updates its own rows only
+            ran = {r["command"] for r in rows}
+            kept = [r for r in json.loads(out.read_text())["rows"] if r["command"] not in ran]
+            order = {c: i for i, c in enumerate(readme_commands(ROOT / "README.md"))}
+            written = sorted(kept + rows, key=lambda r: order.get(r["command"], len(order)))
+        out.write_text(json.dumps({"machine": machine, "cap_seconds": args.cap, "rows": written}, indent=2) + "\n")
     late = [r for r in rows if r["first_output"] is None or r["first_output"] > 2 or r["longest_silence"] > 5]
     if not args.json:
         print(f"\n{len(rows) - len(late)} of {len(rows)} commands speak within 2 s and are never silent for over 5 s")
