@@ -235,7 +235,7 @@ def test_cli_guide_steers_sample_and_eval(micro_model, bert, cli, tmp_path):
                          "5", "--json", "--out", tmp_path / "steered.png")  # fmt: skip
     assert code == 0, err
     steering = json.loads(out)["steering"]
-    assert steering["objectives"] == ["layout", "bind"] and steering["scale"] == 5 and steering["steps"] == 10
+    assert steering["objectives"] == ["layout", "bind"] and steering["scale"] == 5 and steering["steps"] == 15
     assert (tmp_path / "steered.png").is_file()
     code, out, err = cli("minisd", "eval", *common, "--count", "2", "--sets", "pairs", "--no-floors", "--guide",
                          "excite", "--json")  # fmt: skip

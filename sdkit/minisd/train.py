@@ -35,7 +35,7 @@ CHECKPOINT = "checkpoint.safetensors"
 
 @dataclass
 class TrainSettings:
-    steps: int = 1600
+    steps: int = 6000
     batch_size: int = 32  # images per step, over all processes
     lr: float = 1e-3  # peak; linear warm-up, then cosine decay to zero
     warmup_steps: int = 100
