@@ -1,12 +1,12 @@
 """What teaches the mini SD to compose: one model per row, trained and judged the same way.
 
-Every row is the recipe (TrainSettings at --steps) with one change, trained from the same seed on the same data
-stream for the same number of steps (the "6,000 steps" row excepted: the shipped model's budget,
-what the faster loop buys) and judged on the same prompts and seeds: 64 single objects and 64 pairs, DDIM
-25 steps, guidance 4, with 95 % bootstrap intervals over prompts. Rows:
+Every row is the recipe (TrainSettings at --steps) with one change, trained from the same seed on
+the same data stream for the same number of steps (the "6000 steps" row excepted: the shipped
+model's budget, what the faster loop buys) and judged on the same prompts and seeds: 64 single
+objects and 64 pairs, DDIM 25 steps, guidance 4, with 95 % bootstrap intervals over prompts. Rows:
 
     baseline            the recipe at --steps (1,600: the budget of the earlier, slower loop)
-    6,000 steps         the shipped model: the same recipe at 6,000 steps
+    6000 steps          the shipped model: the same recipe at 6,000 steps
     pairs 75 %          three images in four with two objects (against one in two)
     attention 32x32     cross-attention (and self-attention) also at the full-resolution level
     context 77          SD's 77 token positions (zeros past the caption) against 24
@@ -39,7 +39,7 @@ ALL_CROSS_ATTENTION = {"down_block_types": ["CrossAttnDownBlock2D"] * 3, "up_blo
 # name -> (changes to TrainSettings, changes to the U-Net config, text encoder)
 ROWS = {
     "baseline": ({}, {}, "all-MiniLM-L6-v2"),
-    "6,000 steps": ({"steps": 6000}, {}, "all-MiniLM-L6-v2"),  # in place of --steps
+    "6000 steps": ({"steps": 6000}, {}, "all-MiniLM-L6-v2"),  # in place of --steps
     "pairs 75 %": ({"pair_fraction": 0.75}, {}, "all-MiniLM-L6-v2"),
     "attention 32x32": ({}, ALL_CROSS_ATTENTION, "all-MiniLM-L6-v2"),
     "context 77": ({"context_length": 77}, {}, "all-MiniLM-L6-v2"),
@@ -49,9 +49,9 @@ ROWS = {
 SETS = ("singles", "pairs")
 
 
-def row_settings(name: str, steps: int, base: dict) -> tuple[TrainSettings, dict, str]:
+def row_settings(name: str, steps: int) -> tuple[TrainSettings, dict, str]:
     changes, config_changes, encoder = ROWS[name]
-    settings = replace(TrainSettings(**{**base, "steps": steps}), **changes)
+    settings = replace(TrainSettings(steps=steps), **changes)
     return settings, {**preset_config("minisd"), **config_changes}, encoder
 
 
@@ -72,7 +72,7 @@ def main() -> int:
     results_path = Path(args.json)
     results = json.loads(results_path.read_text()) if results_path.is_file() else {"rows": {}}
     for name in rows:
-        settings, config, encoder_name = row_settings(name, args.steps, {})
+        settings, config, encoder_name = row_settings(name, args.steps)
         record = {"settings": asdict(settings), "unet": config, "text_encoder": encoder_name, "count": args.count}
         done = results["rows"].get(name)
         if done and all(done.get(k) == v for k, v in record.items() if k != "settings") and \

@@ -11,7 +11,7 @@ Writes to MODEL/findings/ and prints each table:
                                seeds as unsteered sampling (singles and pairs), with 95 % intervals;
                                the best of them also on the held-out pairs
   composition.png              the same seeds unsteered and steered, with both objects' shape-word maps
-Needs the real encoders (python scripts/get_real_encoders.py). About 15 minutes on 2 CPU cores.
+Needs the real encoders (python scripts/get_real_encoders.py). About 35 minutes on 2 CPU cores.
 """
 
 import argparse
@@ -113,10 +113,11 @@ def steering(pipe, model: str, count: int, scale: float, steps: int, out: Path) 
     settings = SteeringSettings(objectives=tuple(best["objectives"]), scale=scale, steps=steps)
     ev = evaluate(pipe, ("held_out_pairs",), count, floors=False, model_name=model, steering=settings)
     print(format_evaluation(ev), flush=True)
-    held_out = {"steered": ev.results["model"]["held_out_pairs"], "unsteered": ev.results["unsteered"]["held_out_pairs"],
-                "intervals": ev.intervals["held_out_pairs"]}  # fmt: skip
+    held_out = {"steered": ev.results["model"]["held_out_pairs"],
+                "unsteered": ev.results["unsteered"]["held_out_pairs"], "intervals": ev.intervals["held_out_pairs"]}
     result = {"model": model, "count": count, "scale": scale, "steps": steps, "sampler": "ddim", "sampling_steps": 25,
-              "guidance_scale": 4.0, "rows": rows, "best": best["objectives"], "best_on_held_out_pairs": held_out}  # fmt: skip
+              "guidance_scale": 4.0, "rows": rows, "best": best["objectives"],
+              "best_on_held_out_pairs": held_out}  # fmt: skip
     print(f"best on pairs: {'+'.join(result['best'])} (the README's table: python scripts/readme_tables.py steering)")
     write_json(out / "steering.json", result)
     return result

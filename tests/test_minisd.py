@@ -131,6 +131,38 @@ def test_training_settings_refuse_what_cannot_be(field, value):
         TrainSettings(**{field: value}).check()
 
 
+def test_the_train_command_defaults_are_the_recipe():
+    from sdkit.cli import build_parser
+    from sdkit.cli.minisd import train_settings
+
+    assert train_settings(build_parser().parse_args(["minisd", "train"])) == TrainSettings()
+
+
+@pytest.mark.skipif(not (SHIPPED / "minisd.json").is_file(), reason="no shipped mini SD in weights/minisd")
+def test_the_shipped_model_was_trained_by_the_defaults():
+    from dataclasses import asdict
+
+    trained = json.loads((SHIPPED / "minisd.json").read_text())["training"]
+    assert trained["resumed_from_step"] == 0 and trained["processes"] == 1
+    # precision "auto" resolves to what the machine computes: bf16 on this CPU
+    assert trained["settings"] == {**asdict(TrainSettings()), "precision": "bf16"}
+
+
+def test_every_ablation_row_is_selectable_and_changes_one_thing():
+    import importlib.util
+
+    script = Path(__file__).parent.parent / "scripts" / "ablate_minisd.py"
+    spec = importlib.util.spec_from_file_location("ablate_minisd", script)
+    ablate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ablate)
+    assert ",".join(ablate.ROWS).split(",") == list(ablate.ROWS)  # --rows is comma-separated
+    baseline, config, _ = ablate.row_settings("baseline", 1600)
+    assert baseline == TrainSettings(steps=1600)
+    assert ablate.row_settings("6000 steps", 1600)[0] == TrainSettings(steps=6000) == TrainSettings()
+    assert ablate.row_settings("pairs 75 %", 1600)[0] == TrainSettings(steps=1600, pair_fraction=0.75)
+    assert ablate.row_settings("mpnet encoder", 1600)[1] == {**config, "cross_attention_dim": 768}
+
+
 def test_pooled_states_are_one_token():
     states = torch.randn(2, 5, 3)
     real = torch.tensor([[1, 1, 0, 0, 0], [1, 1, 1, 1, 0]], dtype=torch.bool)

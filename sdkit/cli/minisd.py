@@ -24,16 +24,23 @@ def cmd_minisd(args) -> None:
     args.minisd_func(args)
 
 
+def train_settings(args):
+    """TrainSettings from `sdkit minisd train`'s options (their defaults are TrainSettings' own: a test)."""
+    from ..minisd.train import TrainSettings
+
+    return TrainSettings(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+                         image_size=args.image_size, conditioning=args.conditioning,
+                         empty_fraction=args.empty_fraction, pair_fraction=args.pair_fraction,
+                         precision=args.precision, compile=not args.no_compile)  # fmt: skip
+
+
 def cmd_minisd_train(args) -> None:
     check_outputs(args, folders=("cache", "checkpoints"), owned={"out": MODEL_MARKER},
                    inputs=[args.text_encoder, args.encoders_dir])  # fmt: skip
     from ..encoders import load_text_encoder
-    from ..minisd.train import TrainSettings, train
+    from ..minisd.train import train
 
-    settings = TrainSettings(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-                             image_size=args.image_size, conditioning=args.conditioning,
-                             empty_fraction=args.empty_fraction, pair_fraction=args.pair_fraction,
-                             precision=args.precision, compile=not args.no_compile)  # fmt: skip
+    settings = train_settings(args)
     settings.check()
     folder = args.text_encoder or os.path.join(args.encoders_dir, "all-MiniLM-L6-v2")
     check_input(folder, "the text encoder; python scripts/get_real_encoders.py puts it in weights/encoders")
