@@ -12,6 +12,16 @@ objects and 64 pairs, DDIM 25 steps, guidance 4, with 95 % bootstrap intervals o
     context 77          SD's 77 token positions (zeros past the caption) against 24
     mpnet encoder       all-mpnet-base-v2 (768 wide) in place of all-MiniLM-L6-v2 (384)
     coordinates         two coordinate channels at the input: a departure from SD 1.x, which has none
+    grounding loss      TokenCompose's token loss on the generator's masks, weight 1: each object's
+                        colour and shape words made to attend to its mask (a departure from SD's
+                        recipe, which has no masks)
+    grounding + coordinates   both departures at once: the loss asks the attention for a place,
+                        the channels give the queries one
+    relation loss       weight 1 on a loss that asks only for a pair's order: the first object's
+                        attention centred left of the second's when the caption says "left of"
+                        (and right when "right of"); a departure from SD's recipe too
+    relation loss 0.05  the same at weight 0.05 (at weight 1 the two losses' gradients outweigh the
+                        denoising loss's in the attention layers about twice over, late in training)
 
 Each row writes its model under --out (with a checkpoint, so a killed run resumes) and its result
 into --json as soon as it is judged; a row already in --json with the same settings is not run
@@ -32,7 +42,7 @@ from sdkit.common import format_table, write_json
 from sdkit.encoders import load_text_encoder
 from sdkit.minisd.evaluate import evaluate
 from sdkit.minisd.pipeline import MiniSDPipeline
-from sdkit.minisd.train import TrainSettings, train
+from sdkit.minisd.train import TrainSettings, recorded_settings, train
 from sdkit.presets import preset_config
 
 ALL_CROSS_ATTENTION = {"down_block_types": ["CrossAttnDownBlock2D"] * 3, "up_block_types": ["CrossAttnUpBlock2D"] * 3}
@@ -45,6 +55,10 @@ ROWS = {
     "context 77": ({"context_length": 77}, {}, "all-MiniLM-L6-v2"),
     "mpnet encoder": ({}, {"cross_attention_dim": 768}, "all-mpnet-base-v2"),
     "coordinates": ({"coordinates": True}, {}, "all-MiniLM-L6-v2"),
+    "grounding loss": ({"grounding_weight": 1.0}, {}, "all-MiniLM-L6-v2"),
+    "grounding + coordinates": ({"grounding_weight": 1.0, "coordinates": True}, {}, "all-MiniLM-L6-v2"),
+    "relation loss": ({"relation_weight": 1.0}, {}, "all-MiniLM-L6-v2"),
+    "relation loss 0.05": ({"relation_weight": 0.05}, {}, "all-MiniLM-L6-v2"),
 }
 SETS = ("singles", "pairs")
 
@@ -76,7 +90,7 @@ def main() -> int:
         record = {"settings": asdict(settings), "unet": config, "text_encoder": encoder_name, "count": args.count}
         done = results["rows"].get(name)
         if done and all(done.get(k) == v for k, v in record.items() if k != "settings") and \
-                {**done["settings"], "precision": "auto"} == {**record["settings"], "precision": "auto"}:  # fmt: skip
+                {**recorded_settings(done["settings"]), "precision": "auto"} == {**record["settings"], "precision": "auto"}:  # fmt: skip
             print(f"{name}: already judged, kept", flush=True)
             continue
         print(f"{name}: training {settings.steps} steps", flush=True)

@@ -44,7 +44,7 @@ def plain_loop(settings: TrainSettings, captions, steps: int) -> float:
     for step in range(WARMUP + steps):
         if step == WARMUP:
             began = time.perf_counter()
-        pixels, states, noise, timesteps, _ = batch_at(step, settings, captions)
+        pixels, states, noise, timesteps = batch_at(step, settings, captions)[:4]
         loss = F.mse_loss(unet(scheduler.add_noise(pixels, noise, timesteps), timesteps, states).sample, noise)
         optimizer.zero_grad()
         loss.backward()

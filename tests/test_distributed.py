@@ -39,9 +39,9 @@ def test_two_processes_split_every_batch_exactly(bert):
     for step in (0, 7):
         whole = batch_at(step, settings, captions)
         halves = [batch_at(step, settings, captions, process, 2) for process in (0, 1)]
-        for k in range(4):
-            assert torch.equal(whole[k], torch.cat([h[k] for h in halves]))
-        assert whole[4] == halves[0][4] + halves[1][4]
+        for k in ("pixels", "states", "noise", "timesteps", "masks"):
+            assert torch.equal(getattr(whole, k), torch.cat([getattr(h, k) for h in halves]))
+        assert whole.captions == halves[0].captions + halves[1].captions
 
 
 def distance(first: dict, second: dict) -> float:

@@ -14,7 +14,7 @@ from sdkit.minisd.data import (BACKGROUND, HELD_OUT_PAIRS, HELD_OUT_SINGLES, all
 from sdkit.minisd.evaluate import BLUR_NOISE, BLUR_PIXELS, blurred
 from sdkit.minisd.judge import accuracy, classify_shape, find_objects, judge, min_object_pixels, shape_moments
 from sdkit.minisd.pipeline import MiniSDPipeline, pool_states
-from sdkit.minisd.train import Interrupted, TrainSettings, train
+from sdkit.minisd.train import Interrupted, TrainSettings, recorded_settings, train
 from tests.conftest import micro_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -124,7 +124,8 @@ def test_judge_counts_objects():
 
 
 @pytest.mark.parametrize("field,value", [("pair_fraction", 1.5), ("empty_fraction", -0.1), ("context_length", 0),
-                                         ("lr", float("nan")), ("conditioning", "words")])  # fmt: skip
+                                         ("lr", float("nan")), ("conditioning", "words"),
+                                         ("grounding_weight", -1.0), ("relation_weight", float("inf"))])  # fmt: skip
 def test_training_settings_refuse_what_cannot_be(field, value):
     TrainSettings().check()
     with pytest.raises(SdkitError, match=field.split("_")[0]):
@@ -145,7 +146,8 @@ def test_the_shipped_model_was_trained_by_the_defaults():
     trained = json.loads((SHIPPED / "minisd.json").read_text())["training"]
     assert trained["resumed_from_step"] == 0 and trained["processes"] == 1
     # precision "auto" resolves to what the machine computes: bf16 on this CPU
-    assert trained["settings"] == {**asdict(TrainSettings()), "precision": "bf16"}
+    # settings added since it was trained are filled in as it had them (they were not there to turn on)
+    assert recorded_settings(trained["settings"]) == {**asdict(TrainSettings()), "precision": "bf16"}
 
 
 def test_every_ablation_row_is_selectable_and_changes_one_thing():
@@ -161,6 +163,8 @@ def test_every_ablation_row_is_selectable_and_changes_one_thing():
     assert ablate.row_settings("6000 steps", 1600)[0] == TrainSettings(steps=6000) == TrainSettings()
     assert ablate.row_settings("pairs 75 %", 1600)[0] == TrainSettings(steps=1600, pair_fraction=0.75)
     assert ablate.row_settings("mpnet encoder", 1600)[1] == {**config, "cross_attention_dim": 768}
+    assert ablate.row_settings("grounding + coordinates", 1600)[0] == TrainSettings(steps=1600, grounding_weight=1.0,
+                                                                                    coordinates=True)  # fmt: skip
 
 
 def test_pooled_states_are_one_token():
@@ -302,12 +306,13 @@ def test_the_shipped_model_is_a_minisd_preset_u_net(cli):
 def test_compiled_blocks_give_every_gradient_eager_gives():
     # Compiling the whole U-Net under bfloat16 autocast left 280 of 326 parameters without a
     # gradient (inductor, torch 2.13, CPU): training ran, the loss fell, the model never read text.
+    # The grounding loss is in: its weights are kept from inside the compiled blocks.
     import copy
 
     import torch.nn.functional as F
     from diffusers.models.attention_processor import AttnProcessor
 
-    from sdkit.minisd.train import compile_blocks
+    from sdkit.minisd.train import CrossAttentionMaps, compile_blocks, grounding_loss
     from sdkit.presets import build_unet
 
     config = {**micro_config(32), "down_block_types": ["CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
@@ -315,14 +320,17 @@ def test_compiled_blocks_give_every_gradient_eager_gives():
     reference = build_unet(config, weights="random", seed=0).train()
     reference.set_attn_processor(AttnProcessor())
     eager, compiled = copy.deepcopy(reference), copy.deepcopy(reference)
+    maps = {id(unet): CrossAttentionMaps(unet) for unet in (reference, eager, compiled)}
     compile_blocks(compiled)
     generator = torch.Generator().manual_seed(0)
     x, noise = torch.randn(4, 3, 32, 32, generator=generator), torch.randn(4, 3, 32, 32, generator=generator)
     states, t = torch.randn(4, 6, 32, generator=generator), torch.tensor([10, 300, 600, 990])
+    tokens, masks = torch.zeros(4, 2, 6), torch.zeros(4, 2, 32, 32)
+    tokens[:, 0, 1:3], tokens[:2, 1, 4], masks[:, 0, :, :12], masks[:2, 1, 8:20, 20:] = 1, 1, 1, 1
     for unet, precision in ((reference, torch.float32), (eager, torch.bfloat16), (compiled, torch.bfloat16)):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == torch.bfloat16):
             out = unet(x, t, encoder_hidden_states=states).sample
-        F.mse_loss(out.float(), noise).backward()
+        (F.mse_loss(out.float(), noise) + grounding_loss(maps[id(unet)], tokens, masks)).backward()
     worst = []
     for (name, r), e, c in zip(reference.named_parameters(), eager.parameters(), compiled.parameters()):
         assert c.grad is not None and c.grad.norm() > 0, name
@@ -348,3 +356,143 @@ def test_a_model_with_coordinate_channels_trains_samples_and_steers(bert, tmp_pa
     steered = pipe(prompts, 3, seeds=[0], steering=SteeringSettings(("layout",), steps=2, thresholds={}),
                    guides=caption_guides(bert, prompts, 32)).images  # fmt: skip
     assert plain.shape == steered.shape == (1, 32, 32, 3) and not np.array_equal(plain, steered)
+
+
+# --- the grounding loss: each object's words made to attend to its mask -------------------------------
+
+
+def test_object_tokens_mark_each_objects_colour_and_shape_words(bert):
+    from sdkit.encoders import token_roles
+    from sdkit.minisd.train import object_tokens
+
+    captions = ["", "a red circle at the top left", "a red circle to the left of a blue square",
+                "red circle left of red square"]  # fmt: skip
+    table = object_tokens(bert, captions, bert.max_length)
+    assert table.shape == (4, 2, bert.max_length) and table[0].sum() == 0 and table[1, 1].sum() == 0
+
+    def words(row, index):
+        tokens = token_roles(bert.tokenizer, captions[row], bert.max_length).tokens
+        return [tokens[p] for p in table[row, index].nonzero().flatten().tolist()]
+
+    assert words(1, 0) == ["red", "circle"]
+    assert (words(2, 0), words(2, 1)) == (["red", "circle"], ["blue", "square"])
+    assert (words(3, 0), words(3, 1)) == (["red", "circle"], ["red", "square"])  # the k-th "red" is object k's
+
+
+def test_grounding_loss_is_the_token_loss_on_each_layer():
+    from types import SimpleNamespace
+
+    from sdkit.minisd.train import grounding_loss
+
+    # One image: object 0 (tokens 1 and 2) on the left half of an 8x8 mask, no second object.
+    tokens = torch.zeros(1, 2, 5)
+    tokens[0, 0, [1, 2]] = 1
+    masks = torch.zeros(1, 2, 8, 8)
+    masks[0, 0, :, :4] = 1
+    left = torch.zeros(4, 4, dtype=torch.bool)
+    left[:, :2] = True
+
+    def layer(inside_per_head):
+        """(2 heads, 16 cells, 5 tokens): a head's tokens 1 and 2 take all weight in the cells it is given."""
+        probs = torch.zeros(2, 16, 5)
+        for head, cells in enumerate(inside_per_head):
+            probs[head, :, 0] = 1
+            probs[head, cells.flatten(), 0] = 0
+            probs[head, cells.flatten(), 1:3] = 0.5
+        return probs
+
+    def loss(*layers):
+        return float(grounding_loss(SimpleNamespace(probs=dict(enumerate(layers))), tokens, masks))
+
+    assert loss(layer([left, left])) == 0  # all of the object's attention on its mask
+    assert loss(layer([~left, ~left])) == 1  # all of it off
+    assert loss(layer([left, ~left])) == pytest.approx(0.25)  # heads averaged: half inside, (1 - 1/2)^2
+    uniform = torch.full((2, 4, 5), 0.2)  # a 2x2 layer: the mask pooled to its half
+    assert loss(layer([left, left]), uniform) == pytest.approx((0 + 0.25) / 2)  # layers averaged
+
+
+def test_relation_loss_asks_only_for_the_order():
+    from types import SimpleNamespace
+
+    from sdkit.minisd.train import relation_loss, relation_signs
+
+    captions = ["", "a red circle to the left of a blue square", "red circle right of blue square",
+                "a red circle at the top left"]  # fmt: skip
+    assert relation_signs(captions).tolist() == [0, 1, -1, 0]
+    tokens = torch.zeros(2, 2, 3)
+    tokens[:, 0, 1], tokens[:, 1, 2] = 1, 1
+    column = torch.arange(16) % 4  # a 4x4 grid, cell = row * 4 + column
+
+    def maps(first_columns, second_columns):
+        """Token 1 takes all weight in the first columns, token 2 in the second, token 0 elsewhere."""
+        probs = torch.zeros(2, 16, 3)
+        probs[:, :, 0] = 1
+        for token, columns in ((1, first_columns), (2, second_columns)):
+            cells = torch.isin(column, torch.tensor(columns))
+            probs[:, cells, 0], probs[:, cells, token] = 0, 1
+        return SimpleNamespace(probs={"layer": probs})
+
+    # centres 0.25 and 0.75: "left of" is kept by half the width, past the margin; "right of" is not
+    apart = maps([0, 1], [2, 3])
+    assert float(relation_loss(apart, tokens, torch.tensor([1.0, 0.0]))) == 0
+    assert float(relation_loss(apart, tokens, torch.tensor([-1.0, 0.0]))) == pytest.approx((0.25 + 0.5) ** 2)
+    # centres 0.375 and 0.625: in order, but closer than the margin
+    near = maps([1], [2])
+    assert float(relation_loss(near, tokens, torch.tensor([1.0, 1.0]))) == pytest.approx((0.25 - 0.25) ** 2)
+    assert float(relation_loss(maps([1], [3]), tokens, torch.tensor([0.0, 1.0]))) == 0  # 0.375 vs 0.875
+    assert float(relation_loss(maps([2], [1]), tokens, torch.tensor([1.0, 0.0]))) == pytest.approx(0.5**2)
+    assert float(relation_loss(apart, tokens, torch.tensor([0.0, 0.0]))) == 0  # no pair: nothing asked
+
+
+def test_cross_attention_maps_keep_each_layers_weights_and_leave_its_output(bert):
+    from diffusers.models.attention_processor import AttnProcessor
+
+    from sdkit.minisd.train import CrossAttentionMaps, grounding_loss
+    from sdkit.presets import build_unet
+
+    unet = build_unet(micro_config(bert.width), weights="random", seed=0)
+    unet.set_attn_processor(AttnProcessor())
+    generator = torch.Generator().manual_seed(0)
+    x, states = torch.randn(2, 3, 32, 32, generator=generator), torch.randn(2, 6, bert.width, generator=generator)
+    t = torch.tensor([10, 900])
+    with torch.no_grad():
+        before = unet(x, t, encoder_hidden_states=states).sample
+    maps = CrossAttentionMaps(unet)
+    out = unet(x, t, encoder_hidden_states=states).sample
+    assert torch.equal(out, before)
+    cross = [n for n, _ in unet.named_modules() if n.endswith("attn2")]
+    assert sorted(maps.probs) == sorted(cross) and len(cross) == 4  # down, mid and two up
+    heads = unet.config.attention_head_dim
+    assert {tuple(p.shape) for p in maps.probs.values()} == {(2 * heads, 256, 6)}  # the 16x16 level
+    tokens, masks = torch.zeros(2, 2, 6), torch.zeros(2, 2, 32, 32)
+    tokens[:, 0, 1], masks[:, 0, :8, :8] = 1, 1
+    grounding_loss(maps, tokens, masks).backward()
+    to_k = dict(unet.named_parameters())[f"{cross[0]}.to_k.weight"]
+    assert to_k.grad is not None and to_k.grad.abs().sum() > 0
+
+
+def test_training_with_grounding_or_relation_logs_it_and_changes_the_weights(bert, tmp_path):
+    from sdkit.minisd.data import all_captions
+    from sdkit.minisd.train import batch_at, encode_captions
+
+    settings = _settings(context_length=bert.max_length)
+    batch = batch_at(3, settings, encode_captions(bert, ["", *all_captions()], None, progress=False))
+    for i, text in enumerate(batch.captions):
+        sample = sample_at(0, 3 * settings.batch_size + i, 32)
+        assert np.array_equal(batch.masks[i, : len(sample.masks)].numpy(), sample.masks)
+        assert batch.masks[i, len(sample.masks) :].sum() == 0
+    for name in ("grounding_weight", "relation_weight"):
+        with pytest.raises(SdkitError, match="token conditioning"):
+            TrainSettings(**{name: 1.0}, conditioning="pooled").check()
+    runs = {}
+    for name in ("none", "grounding", "relation"):
+        weights = {f"{name}_weight": 1.0} if name != "none" else {}
+        result = train(tmp_path / name, bert, _settings(steps=3, pair_fraction=1.0, **weights),
+                       micro_config(bert.width), progress=False, cache_dir=None)  # fmt: skip
+        runs[name] = load_file(tmp_path / name / "unet" / "diffusion_pytorch_model.safetensors")
+        logged = set(result.history[-1]) - {"step", "loss", "seconds"}
+        assert logged == ({name} - {"none"})
+        if name != "none":
+            assert 0 < result.history[-1][name] <= 1
+            changed = [k for k in runs["none"] if not torch.equal(runs["none"][k], runs[name][k])]
+            assert any("attn2.to_k" in k for k in changed)

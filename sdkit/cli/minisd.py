@@ -31,7 +31,9 @@ def train_settings(args):
     return TrainSettings(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                          image_size=args.image_size, conditioning=args.conditioning,
                          empty_fraction=args.empty_fraction, pair_fraction=args.pair_fraction,
-                         precision=args.precision, compile=not args.no_compile)  # fmt: skip
+                         grounding_weight=args.grounding_weight, relation_weight=args.relation_weight,
+                         precision=args.precision,
+                         compile=not args.no_compile)  # fmt: skip
 
 
 def cmd_minisd_train(args) -> None:
@@ -183,6 +185,10 @@ def register(sub) -> None:
                    help="tokens: every token state; pooled: their mean, one key/value")  # fmt: skip
     q.add_argument("--empty-fraction", type=nonnegative_float, default=0.1, help="captions dropped for guidance")
     q.add_argument("--pair-fraction", type=nonnegative_float, default=0.5, help="images with two objects")
+    q.add_argument("--grounding-weight", type=nonnegative_float, default=0.0,
+                   help="weight of the loss that makes each object's words attend to its mask (TokenCompose's; 0: off)")
+    q.add_argument("--relation-weight", type=nonnegative_float, default=0.0,
+                   help="weight of the loss that orders a pair's attention as its caption does (left of / right of; 0: off)")
     q.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
                    help="bf16: bfloat16 autocast on float32 weights; auto: bf16 where the device computes it natively")
     q.add_argument("--no-compile", action="store_true", help="skip torch.compile (saves its ~1-2 min start; trains slower)")

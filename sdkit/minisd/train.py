@@ -20,6 +20,8 @@ import random
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from types import SimpleNamespace
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -27,7 +29,7 @@ import torch.nn.functional as F
 
 from ..common import SdkitError, atomic_path
 from ..encoders import TextEncoder, encoder_fingerprint
-from .data import all_captions, sample_at, to_model
+from .data import all_captions, parse_caption, sample_at, to_model
 from .pipeline import CONDITIONINGS, SCHEDULER_CONFIG, MiniSDPipeline, MiniSDSpec, add_coordinates, pool_states
 
 CHECKPOINT = "checkpoint.safetensors"
@@ -53,6 +55,12 @@ class TrainSettings:
     context_length: int = 24
     conditioning: str = "tokens"  # or "pooled": the mean token state, one key/value
     coordinates: bool = False  # x and y channels at the U-Net's input (a departure from SD 1.x; see MiniSDSpec)
+    # Weight of the grounding loss (see grounding_loss): each object's words made to attend to its
+    # mask, TokenCompose's token loss. A departure from SD's recipe, which has no masks to do it; 0: off.
+    grounding_weight: float = 0.0
+    # Weight of the relation loss (see relation_loss): in a pair, the first object's words made to
+    # attend left of the second's when the caption says "left of". Also a departure; 0: off.
+    relation_weight: float = 0.0
     seed: int = 0
     # "bf16": torch's autocast (bfloat16 convolutions and matmuls on float32 weights), where the
     # device computes bfloat16 natively (this CPU's AMX does it 3-7x faster than float32); "fp32";
@@ -65,7 +73,7 @@ class TrainSettings:
             if getattr(self, name) <= 0:
                 raise SdkitError(f"{name} must be positive, not {getattr(self, name)}")
         for name in ("lr", "weight_decay", "max_grad_norm", "snr_gamma", "x0_weight_floor", "empty_fraction",
-                     "pair_fraction"):
+                     "pair_fraction", "grounding_weight", "relation_weight"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise SdkitError(f"{name} must be a finite number >= 0, not {value}")
@@ -77,11 +85,21 @@ class TrainSettings:
             raise SdkitError("empty_fraction and pair_fraction are fractions (0 to 1)")
         if self.conditioning not in CONDITIONINGS:
             raise SdkitError(f"unknown conditioning {self.conditioning!r}; choose one of {', '.join(CONDITIONINGS)}")
+        if (self.grounding_weight or self.relation_weight) and self.conditioning != "tokens":
+            raise SdkitError("the grounding and relation losses need token conditioning: a pooled caption is one key, "
+                             "whose weight is 1 everywhere")  # fmt: skip
         if self.precision not in PRECISIONS:
             raise SdkitError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
 
 
 PRECISIONS = ("auto", "bf16", "fp32")
+# Settings added after models were trained and recorded, with the value every earlier run had.
+ADDED_SETTINGS = {"coordinates": False, "grounding_weight": 0.0, "relation_weight": 0.0}
+
+
+def recorded_settings(recorded: dict) -> dict:
+    """A run's settings as its record holds them, with the settings added since filled in as it had them."""
+    return {**ADDED_SETTINGS, **recorded}
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
@@ -159,21 +177,33 @@ def encode_captions(encoder: TextEncoder, captions: list[str], cache_dir: str | 
 # --- batches ---------------------------------------------------------------------------------------
 
 
-def batch_at(step: int, settings: TrainSettings, captions: CaptionStates, process: int = 0, processes: int = 1):
-    """This process's share of the batch of `step`: (pixels, states, noise, timesteps, captions)."""
+class Batch(NamedTuple):
+    pixels: torch.Tensor  # (n, 3, H, W) in [-1, 1]
+    states: torch.Tensor  # (n, context, width) or (n, 1, width) pooled
+    noise: torch.Tensor
+    timesteps: torch.Tensor
+    captions: list[str]  # "" where dropped for guidance
+    masks: torch.Tensor  # (n, 2, H, W) float: each object's mask, zeros where the image has no second object
+
+
+def batch_at(step: int, settings: TrainSettings, captions: CaptionStates, process: int = 0, processes: int = 1) -> Batch:
+    """This process's share of the batch of `step`."""
     per_process = settings.batch_size // processes
     first = step * settings.batch_size + process * per_process
     samples = [sample_at(settings.seed, i, settings.image_size, settings.pair_fraction) for i in range(first, first + per_process)]
     texts = ["" if random.Random(f"drop:{settings.seed}:{i}").random() < settings.empty_fraction else s.caption
              for i, s in zip(range(first, first + per_process), samples)]  # fmt: skip
     pixels = torch.from_numpy(np.stack([to_model(s.image) for s in samples]))
+    masks = torch.zeros(per_process, 2, settings.image_size, settings.image_size)
+    for i, sample in enumerate(samples):
+        masks[i, : len(sample.masks)] = torch.from_numpy(sample.masks)
     # The whole batch's noise and timesteps, of which this process takes its share: drawn per
     # process, a batch over two processes would be another batch than over one.
     generator = torch.Generator().manual_seed(hash_seed(settings.seed, step, 0))
     share = slice(process * per_process, (process + 1) * per_process)
     noise = torch.randn((settings.batch_size, *pixels.shape[1:]), generator=generator)[share]
     timesteps = torch.randint(0, SCHEDULER_CONFIG["num_train_timesteps"], (settings.batch_size,), generator=generator)[share]
-    return pixels, captions.lookup(texts, settings.conditioning), noise, timesteps, texts
+    return Batch(pixels, captions.lookup(texts, settings.conditioning), noise, timesteps, texts, masks)
 
 
 def hash_seed(*parts) -> int:
@@ -214,6 +244,113 @@ def weighted_loss(prediction, noise, timesteps, noise_scheduler, settings: Train
         snr = compute_snr(noise_scheduler, timesteps)
         loss = loss * (torch.clamp(snr, max=settings.snr_gamma) + settings.x0_weight_floor) / snr
     return loss.mean()
+
+
+# --- losses on the attention (departures from SD's recipe; off by default) ---------------------------
+
+
+def relation_signs(captions: list[str]) -> torch.Tensor:
+    """(captions,): 1 where a pair's first object is left of the second, -1 where right, 0 otherwise."""
+    scenes = [parse_caption(c) if c else None for c in captions]
+    return torch.tensor([0.0 if s is None or s.relation is None else 1.0 if s.relation == "left of" else -1.0
+                         for s in scenes])  # fmt: skip
+
+
+def object_tokens(encoder: TextEncoder, captions: list[str], length: int) -> torch.Tensor:
+    """(captions, 2, length): 1 at the positions of each object's colour and shape words (the
+    objects in the caption's order, as the generator's masks are); all zero for "" and a missing object."""
+    from ..encoders import token_roles
+    from ..localization import object_words
+
+    table = torch.zeros(len(captions), 2, length)
+    for row, caption in enumerate(captions):
+        scene = parse_caption(caption) if caption else None
+        if scene is None:
+            continue
+        for word in object_words(token_roles(encoder.tokenizer, caption, encoder.max_length), scene.objects):
+            table[row, word["object"], word["positions"]] = 1.0
+    return table
+
+
+class CrossAttentionMaps:
+    """Every cross-attention (attn2) layer's attention weights of the latest forward pass, with their
+    graph, for a loss on them. Each layer runs diffusers' AttnProcessor (bmm + softmax) with its
+    get_attention_scores wrapped to keep what it returns, so the layer's output is unchanged."""
+
+    def __init__(self, unet):
+        from diffusers.models.attention_processor import AttnProcessor
+
+        # One holder per layer, written and never read inside the layer: a shared dict, read and
+        # grown inside the compiled blocks, made torch.compile recompile them past its limit.
+        self.layers: dict[str, SimpleNamespace] = {}
+        for name, module in unet.named_modules():
+            if name.endswith("attn2"):
+                module.set_processor(AttnProcessor())
+                self.layers[name] = SimpleNamespace(probs=None)
+                module.get_attention_scores = self._keeping(self.layers[name], module.get_attention_scores)
+
+    @property
+    def probs(self) -> dict[str, torch.Tensor]:
+        """layer -> (batch * heads, cells, tokens)"""
+        return {name: layer.probs for name, layer in self.layers.items() if layer.probs is not None}
+
+    @staticmethod
+    def _keeping(layer: SimpleNamespace, scores):
+        def get_attention_scores(query, key, attention_mask=None):
+            layer.probs = scores(query, key, attention_mask)
+            return layer.probs
+
+        return get_attention_scores
+
+
+def object_attention(probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """(batch, 2, cells): each object's attention at one layer, its words' weights summed, the mean
+    over heads. probs: (batch * heads, cells, context) as kept; tokens: (batch, 2, context)."""
+    attention = probs.float().view(tokens.shape[0], -1, *probs.shape[1:]).mean(1)
+    return torch.einsum("bct,bot->boc", attention, tokens)
+
+
+def grounding_loss(maps: CrossAttentionMaps, tokens: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+    """TokenCompose's token loss (Wang et al. 2024), on the generator's true masks: for each object,
+    (1 - the share of its words' attention that falls inside its mask)^2, the attention averaged over
+    heads and the mask over each layer's cells; the mean over objects present and over layers.
+
+    tokens: (batch, 2, context) from object_tokens; masks: (batch, 2, H, W) from batch_at."""
+    present = tokens.sum(-1) > 0
+    if not present.any():
+        return masks.new_zeros(())
+    losses = []
+    for probs in maps.probs.values():
+        object_maps = object_attention(probs, tokens)
+        side = math.isqrt(probs.shape[1])  # training images are square
+        inside = F.adaptive_avg_pool2d(masks, side).flatten(2)
+        share = (object_maps * inside).sum(-1) / object_maps.sum(-1).clamp_min(1e-12)
+        losses.append(((1 - share) ** 2)[present].mean())
+    return torch.stack(losses).mean()
+
+
+RELATION_MARGIN = 0.25  # of the image width: adjacent cells' centres lie a third apart
+
+
+def relation_loss(maps: CrossAttentionMaps, tokens: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """For each pair: max(0, margin - sign x (x2 - x1))^2, x1 and x2 the horizontal centres (0 to 1)
+    of the two objects' attention (mean over heads), at each layer; the mean over pairs and layers.
+
+    What the caption alone decides, the objects' order, and nothing it does not (where in its row
+    and column each object lands), so unlike grounding_loss it asks nothing of the attention that
+    only the image could answer. tokens: (batch, 2, context); signs: (batch,) from relation_signs."""
+    pairs = signs != 0
+    if not pairs.any():
+        return signs.new_zeros(())
+    losses = []
+    for probs in maps.probs.values():
+        side = math.isqrt(probs.shape[1])
+        object_maps = object_attention(probs, tokens).view(-1, 2, side, side).sum(2)  # summed over rows: (b, 2, x)
+        x = (torch.arange(side, device=probs.device) + 0.5) / side
+        centre = (object_maps * x).sum(-1) / object_maps.sum(-1).clamp_min(1e-12)
+        gap = signs * (centre[:, 1] - centre[:, 0])
+        losses.append(F.relu(RELATION_MARGIN - gap)[pairs].pow(2).mean())
+    return torch.stack(losses).mean()
 
 
 # --- training ----------------------------------------------------------------------------------------
@@ -291,6 +428,9 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
         # On the CPU, attention as bmm + softmax trains 1.6x faster in bfloat16 than the fused
         # scaled_dot_product_attention, whose bfloat16 backward is slow there (in float32 it is 15 % slower).
         unet.set_attn_processor(AttnProcessor())
+    maps = CrossAttentionMaps(unet) if settings.grounding_weight or settings.relation_weight else None
+    tokens = object_tokens(encoder, captions.captions, settings.context_length) if maps else None
+    signs = relation_signs(captions.captions) if maps else None
     ema = EMAModel(unet.parameters(), decay=settings.ema_max_decay, use_ema_warmup=True, inv_gamma=1.0,
                    power=settings.ema_power, foreach=True)  # fmt: skip
     optimizer = torch.optim.AdamW(unet.parameters(), lr=settings.lr, weight_decay=settings.weight_decay,
@@ -309,33 +449,47 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
     bar = tqdm(total=settings.steps, initial=start, desc="training mini SD", unit="step",
                disable=not progress or not accelerator.is_main_process)  # fmt: skip
     began, window_loss, window_steps = time.perf_counter(), 0.0, 0
+    window_extra = {name: 0.0 for name in ("grounding", "relation") if getattr(settings, f"{name}_weight")}
     try:
         for step in range(start, settings.steps):
             step_start = time.perf_counter()
-            pixels, states, noise, timesteps, _ = batch_at(step, settings, captions, accelerator.process_index,
-                                                           accelerator.num_processes)  # fmt: skip
-            pixels, states, noise, timesteps = (t.to(accelerator.device) for t in (pixels, states, noise, timesteps))
+            batch = batch_at(step, settings, captions, accelerator.process_index, accelerator.num_processes)
+            pixels, states, noise, timesteps = (t.to(accelerator.device) for t in batch[:4])
             noisy = noise_scheduler.add_noise(pixels, noise, timesteps)
             noisy = add_coordinates(noisy) if settings.coordinates else noisy
             with autocast:
                 prediction = model(noisy, timesteps, encoder_hidden_states=states).sample
             loss = weighted_loss(prediction, noise, timesteps, noise_scheduler, settings)
+            total = loss
+            if maps:
+                rows = [captions.row[text] for text in batch.captions]
+                extra = {}
+                if settings.grounding_weight:
+                    extra["grounding"] = grounding_loss(maps, tokens[rows].to(device), batch.masks.to(device))
+                if settings.relation_weight:
+                    extra["relation"] = relation_loss(maps, tokens[rows].to(device), signs[rows].to(device))
+                for name, value in extra.items():
+                    total = total + getattr(settings, f"{name}_weight") * value
+                    window_extra[name] += value.item()
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(step, settings)
             optimizer.zero_grad()
-            accelerator.backward(loss)
+            accelerator.backward(total)
             accelerator.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
             optimizer.step()
             ema.step(unet.parameters())
-            if not math.isfinite(loss.item()):
-                raise SdkitError(f"training diverged at step {step + 1}: the loss is {loss.item()} (try a lower lr)")
+            if not math.isfinite(total.item()):
+                raise SdkitError(f"training diverged at step {step + 1}: the loss is {total.item()} (try a lower lr)")
             window_loss, window_steps = window_loss + loss.item(), window_steps + 1
             done = step + 1
             if done % 25 == 0 or done == settings.steps:
                 # seconds: since this process began training (a resumed run counts from its own start)
+                # loss: the denoising loss alone; grounding and relation, when on: each its own, unweighted
                 history.append({"step": done, "loss": window_loss / window_steps,
+                                **{name: value / window_steps for name, value in window_extra.items()},
                                 "seconds": round(time.perf_counter() - began, 3)})  # fmt: skip
                 window_loss, window_steps = 0.0, 0
+                window_extra = dict.fromkeys(window_extra, 0.0)
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.4f}", samples_s=f"{settings.batch_size / (time.perf_counter() - step_start):.1f}")
             if checkpoint and accelerator.is_main_process and (done % checkpoint_every == 0 or done == settings.steps):
