@@ -22,6 +22,8 @@ objects and 64 pairs, DDIM 25 steps, guidance 4, with 95 % bootstrap intervals o
                         (and right when "right of"); a departure from SD's recipe too
     relation loss 0.05  the same at weight 0.05 (at weight 1 the two losses' gradients outweigh the
                         denoising loss's in the attention layers about twice over, late in training)
+    relation loss 0.1 at t >= 600   weight 0.1, only on images noised to timestep 600 or more: where the
+                        layout is decided and only the text can say where an object goes
 
 Each row writes its model under --out (with a checkpoint, so a killed run resumes) and its result
 into --json as soon as it is judged; a row already in --json with the same settings is not run
@@ -59,6 +61,7 @@ ROWS = {
     "grounding + coordinates": ({"grounding_weight": 1.0, "coordinates": True}, {}, "all-MiniLM-L6-v2"),
     "relation loss": ({"relation_weight": 1.0}, {}, "all-MiniLM-L6-v2"),
     "relation loss 0.05": ({"relation_weight": 0.05}, {}, "all-MiniLM-L6-v2"),
+    "relation loss 0.1 at t >= 600": ({"relation_weight": 0.1, "attention_loss_from": 600}, {}, "all-MiniLM-L6-v2"),
 }
 SETS = ("singles", "pairs")
 

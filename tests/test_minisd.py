@@ -125,7 +125,8 @@ def test_judge_counts_objects():
 
 @pytest.mark.parametrize("field,value", [("pair_fraction", 1.5), ("empty_fraction", -0.1), ("context_length", 0),
                                          ("lr", float("nan")), ("conditioning", "words"),
-                                         ("grounding_weight", -1.0), ("relation_weight", float("inf"))])  # fmt: skip
+                                         ("grounding_weight", -1.0), ("relation_weight", float("inf")),
+                                         ("attention_loss_from", 1000)])  # fmt: skip
 def test_training_settings_refuse_what_cannot_be(field, value):
     TrainSettings().check()
     with pytest.raises(SdkitError, match=field.split("_")[0]):
@@ -496,3 +497,11 @@ def test_training_with_grounding_or_relation_logs_it_and_changes_the_weights(ber
             assert 0 < result.history[-1][name] <= 1
             changed = [k for k in runs["none"] if not torch.equal(runs["none"][k], runs[name][k])]
             assert any("attn2.to_k" in k for k in changed)
+    # Only images noised to attention_loss_from or more count: none of these three batches reaches
+    # 999, so the loss is 0 and the weights are the run without it, to the bit.
+    gated = train(tmp_path / "gated", bert, _settings(steps=3, pair_fraction=1.0, relation_weight=1.0,
+                                                      attention_loss_from=999),
+                  micro_config(bert.width), progress=False, cache_dir=None)  # fmt: skip
+    assert gated.history[-1]["relation"] == 0
+    weights = load_file(tmp_path / "gated" / "unet" / "diffusion_pytorch_model.safetensors")
+    assert all(torch.equal(weights[k], runs["none"][k]) for k in weights)

@@ -32,6 +32,7 @@ def train_settings(args):
                          image_size=args.image_size, conditioning=args.conditioning,
                          empty_fraction=args.empty_fraction, pair_fraction=args.pair_fraction,
                          grounding_weight=args.grounding_weight, relation_weight=args.relation_weight,
+                         attention_loss_from=args.attention_loss_from,
                          precision=args.precision,
                          compile=not args.no_compile)  # fmt: skip
 
@@ -189,6 +190,8 @@ def register(sub) -> None:
                    help="weight of the loss that makes each object's words attend to its mask (TokenCompose's; 0: off)")
     q.add_argument("--relation-weight", type=nonnegative_float, default=0.0,
                    help="weight of the loss that orders a pair's attention as its caption does (left of / right of; 0: off)")
+    q.add_argument("--attention-loss-from", type=nonnegative_int, default=0, metavar="T",
+                   help="apply those two losses only to images noised to timestep T or more (of 1000)")
     q.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
                    help="bf16: bfloat16 autocast on float32 weights; auto: bf16 where the device computes it natively")
     q.add_argument("--no-compile", action="store_true", help="skip torch.compile (saves its ~1-2 min start; trains slower)")

@@ -61,6 +61,7 @@ class TrainSettings:
     # Weight of the relation loss (see relation_loss): in a pair, the first object's words made to
     # attend left of the second's when the caption says "left of". Also a departure; 0: off.
     relation_weight: float = 0.0
+    attention_loss_from: int = 0  # both losses only on images noised to at least this timestep (of 1,000)
     seed: int = 0
     # "bf16": torch's autocast (bfloat16 convolutions and matmuls on float32 weights), where the
     # device computes bfloat16 natively (this CPU's AMX does it 3-7x faster than float32); "fp32";
@@ -69,6 +70,9 @@ class TrainSettings:
     compile: bool = True  # torch.compile each Transformer2D block (see compile_blocks): ~1.2x here, after ~30 s
 
     def check(self) -> None:
+        if not 0 <= self.attention_loss_from < SCHEDULER_CONFIG["num_train_timesteps"]:
+            raise SdkitError(f"attention_loss_from must be a timestep from 0 to "
+                             f"{SCHEDULER_CONFIG['num_train_timesteps'] - 1}, not {self.attention_loss_from}")  # fmt: skip
         for name in ("steps", "batch_size", "image_size", "context_length"):
             if getattr(self, name) <= 0:
                 raise SdkitError(f"{name} must be positive, not {getattr(self, name)}")
@@ -94,7 +98,7 @@ class TrainSettings:
 
 PRECISIONS = ("auto", "bf16", "fp32")
 # Settings added after models were trained and recorded, with the value every earlier run had.
-ADDED_SETTINGS = {"coordinates": False, "grounding_weight": 0.0, "relation_weight": 0.0}
+ADDED_SETTINGS = {"coordinates": False, "grounding_weight": 0.0, "relation_weight": 0.0, "attention_loss_from": 0}
 
 
 def recorded_settings(recorded: dict) -> dict:
@@ -463,11 +467,13 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
             total = loss
             if maps:
                 rows = [captions.row[text] for text in batch.captions]
+                noisy_enough = (batch.timesteps >= settings.attention_loss_from).float()
+                words, order = (tokens[rows] * noisy_enough[:, None, None]).to(device), (signs[rows] * noisy_enough).to(device)
                 extra = {}
                 if settings.grounding_weight:
-                    extra["grounding"] = grounding_loss(maps, tokens[rows].to(device), batch.masks.to(device))
+                    extra["grounding"] = grounding_loss(maps, words, batch.masks.to(device))
                 if settings.relation_weight:
-                    extra["relation"] = relation_loss(maps, tokens[rows].to(device), signs[rows].to(device))
+                    extra["relation"] = relation_loss(maps, words, order)
                 for name, value in extra.items():
                     total = total + getattr(settings, f"{name}_weight") * value
                     window_extra[name] += value.item()
