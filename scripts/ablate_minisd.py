@@ -20,8 +20,8 @@ objects and 64 pairs, DDIM 25 steps, guidance 4, with 95 % bootstrap intervals o
     relation loss       weight 1 on a loss that asks only for a pair's order: the first object's
                         attention centred left of the second's when the caption says "left of"
                         (and right when "right of"); a departure from SD's recipe too
-    relation loss 0.05  the same at weight 0.05 (at weight 1 the two losses' gradients outweigh the
-                        denoising loss's in the attention layers about twice over, late in training)
+    relation loss 0.05  the same at weight 0.05 (at weight 1, the grounding loss's gradient is about
+                        twice the denoising loss's on the trained model)
     relation loss 0.1 at t >= 600   weight 0.1, only on images noised to timestep 600 or more: where the
                         layout is decided and only the text can say where an object goes
 

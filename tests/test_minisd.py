@@ -437,9 +437,10 @@ def test_relation_loss_asks_only_for_the_order():
     apart = maps([0, 1], [2, 3])
     assert float(relation_loss(apart, tokens, torch.tensor([1.0, 0.0]))) == 0
     assert float(relation_loss(apart, tokens, torch.tensor([-1.0, 0.0]))) == pytest.approx((0.25 + 0.5) ** 2)
-    # centres 0.375 and 0.625: in order, but closer than the margin
-    near = maps([1], [2])
-    assert float(relation_loss(near, tokens, torch.tensor([1.0, 1.0]))) == pytest.approx((0.25 - 0.25) ** 2)
+    # centres 0.375 and 0.625: in order, a quarter of the width apart, exactly the margin
+    assert float(relation_loss(maps([1], [2]), tokens, torch.tensor([1.0, 1.0]))) == 0
+    # centres 0.375 and 0.5: in order, but an eighth of the width short of the margin
+    assert float(relation_loss(maps([1], [1, 2]), tokens, torch.tensor([1.0, 0.0]))) == pytest.approx(0.125**2)
     assert float(relation_loss(maps([1], [3]), tokens, torch.tensor([0.0, 1.0]))) == 0  # 0.375 vs 0.875
     assert float(relation_loss(maps([2], [1]), tokens, torch.tensor([1.0, 0.0]))) == pytest.approx(0.5**2)
     assert float(relation_loss(apart, tokens, torch.tensor([0.0, 0.0]))) == 0  # no pair: nothing asked

@@ -32,8 +32,7 @@ def train_settings(args):
                          image_size=args.image_size, conditioning=args.conditioning,
                          empty_fraction=args.empty_fraction, pair_fraction=args.pair_fraction,
                          grounding_weight=args.grounding_weight, relation_weight=args.relation_weight,
-                         attention_loss_from=args.attention_loss_from,
-                         precision=args.precision,
+                         attention_loss_from=args.attention_loss_from, precision=args.precision,
                          compile=not args.no_compile)  # fmt: skip
 
 

@@ -70,9 +70,6 @@ class TrainSettings:
     compile: bool = True  # torch.compile each Transformer2D block (see compile_blocks): ~1.2x here, after ~30 s
 
     def check(self) -> None:
-        if not 0 <= self.attention_loss_from < SCHEDULER_CONFIG["num_train_timesteps"]:
-            raise SdkitError(f"attention_loss_from must be a timestep from 0 to "
-                             f"{SCHEDULER_CONFIG['num_train_timesteps'] - 1}, not {self.attention_loss_from}")  # fmt: skip
         for name in ("steps", "batch_size", "image_size", "context_length"):
             if getattr(self, name) <= 0:
                 raise SdkitError(f"{name} must be positive, not {getattr(self, name)}")
@@ -89,6 +86,9 @@ class TrainSettings:
             raise SdkitError("empty_fraction and pair_fraction are fractions (0 to 1)")
         if self.conditioning not in CONDITIONINGS:
             raise SdkitError(f"unknown conditioning {self.conditioning!r}; choose one of {', '.join(CONDITIONINGS)}")
+        if not 0 <= self.attention_loss_from < SCHEDULER_CONFIG["num_train_timesteps"]:
+            raise SdkitError(f"attention_loss_from must be a timestep from 0 to "
+                             f"{SCHEDULER_CONFIG['num_train_timesteps'] - 1}, not {self.attention_loss_from}")  # fmt: skip
         if (self.grounding_weight or self.relation_weight) and self.conditioning != "tokens":
             raise SdkitError("the grounding and relation losses need token conditioning: a pooled caption is one key, "
                              "whose weight is 1 everywhere")  # fmt: skip
@@ -255,24 +255,23 @@ def weighted_loss(prediction, noise, timesteps, noise_scheduler, settings: Train
 
 def relation_signs(captions: list[str]) -> torch.Tensor:
     """(captions,): 1 where a pair's first object is left of the second, -1 where right, 0 otherwise."""
-    scenes = [parse_caption(c) if c else None for c in captions]
+    scenes = [parse_caption(c) for c in captions]
     return torch.tensor([0.0 if s is None or s.relation is None else 1.0 if s.relation == "left of" else -1.0
                          for s in scenes])  # fmt: skip
 
 
 def object_tokens(encoder: TextEncoder, captions: list[str], length: int) -> torch.Tensor:
-    """(captions, 2, length): 1 at the positions of each object's colour and shape words (the
-    objects in the caption's order, as the generator's masks are); all zero for "" and a missing object."""
-    from ..encoders import token_roles
-    from ..localization import object_words
+    """(captions, 2, length): 1 at the positions of each object's colour and shape words, the very
+    words steering's layout objective moves (the objects in the caption's order, as the generator's
+    masks are); all zero for "" and a missing object."""
+    from .steer import caption_guide
 
     table = torch.zeros(len(captions), 2, length)
     for row, caption in enumerate(captions):
-        scene = parse_caption(caption) if caption else None
-        if scene is None:
-            continue
-        for word in object_words(token_roles(encoder.tokenizer, caption, encoder.max_length), scene.objects):
-            table[row, word["object"], word["positions"]] = 1.0
+        scene = parse_caption(caption)
+        if scene is not None:
+            for index, (positions, _) in enumerate(caption_guide(encoder, scene, side=1).layout):
+                table[row, index, positions] = 1.0
     return table
 
 
@@ -432,7 +431,9 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
         # On the CPU, attention as bmm + softmax trains 1.6x faster in bfloat16 than the fused
         # scaled_dot_product_attention, whose bfloat16 backward is slow there (in float32 it is 15 % slower).
         unet.set_attn_processor(AttnProcessor())
-    maps = CrossAttentionMaps(unet) if settings.grounding_weight or settings.relation_weight else None
+    attention_weights = {name: weight for name, weight in (("grounding", settings.grounding_weight),
+                                                           ("relation", settings.relation_weight)) if weight}  # fmt: skip
+    maps = CrossAttentionMaps(unet) if attention_weights else None
     tokens = object_tokens(encoder, captions.captions, settings.context_length) if maps else None
     signs = relation_signs(captions.captions) if maps else None
     ema = EMAModel(unet.parameters(), decay=settings.ema_max_decay, use_ema_warmup=True, inv_gamma=1.0,
@@ -453,7 +454,7 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
     bar = tqdm(total=settings.steps, initial=start, desc="training mini SD", unit="step",
                disable=not progress or not accelerator.is_main_process)  # fmt: skip
     began, window_loss, window_steps = time.perf_counter(), 0.0, 0
-    window_extra = {name: 0.0 for name in ("grounding", "relation") if getattr(settings, f"{name}_weight")}
+    window_extra = dict.fromkeys(attention_weights, 0.0)
     try:
         for step in range(start, settings.steps):
             step_start = time.perf_counter()
@@ -468,14 +469,14 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
             if maps:
                 rows = [captions.row[text] for text in batch.captions]
                 noisy_enough = (batch.timesteps >= settings.attention_loss_from).float()
-                words, order = (tokens[rows] * noisy_enough[:, None, None]).to(device), (signs[rows] * noisy_enough).to(device)
-                extra = {}
-                if settings.grounding_weight:
-                    extra["grounding"] = grounding_loss(maps, words, batch.masks.to(device))
-                if settings.relation_weight:
-                    extra["relation"] = relation_loss(maps, words, order)
-                for name, value in extra.items():
-                    total = total + getattr(settings, f"{name}_weight") * value
+                words = (tokens[rows] * noisy_enough[:, None, None]).to(device)
+                values = {}
+                if "grounding" in attention_weights:
+                    values["grounding"] = grounding_loss(maps, words, batch.masks.to(device))
+                if "relation" in attention_weights:
+                    values["relation"] = relation_loss(maps, words, (signs[rows] * noisy_enough).to(device))
+                for name, value in values.items():
+                    total = total + attention_weights[name] * value
                     window_extra[name] += value.item()
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(step, settings)
