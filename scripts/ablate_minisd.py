@@ -24,6 +24,12 @@ objects and 64 pairs, DDIM 25 steps, guidance 4, with 95 % bootstrap intervals o
                         twice the denoising loss's on the trained model)
     relation loss 0.1 at t >= 600   weight 0.1, only on images noised to timestep 600 or more: where the
                         layout is decided and only the text can say where an object goes
+    zero terminal SNR   the noise schedule rescaled to end at pure noise, and v-prediction (Lin et al.
+                        2024; SD 1.x's schedule leaves the objects faintly visible at the last timestep,
+                        so the layout can be learnt from the noise instead of the text)
+    zero terminal SNR + coordinates   with the layout left to the text, the queries given a place to match
+    zero terminal SNR + mpnet         with the layout left to the text, the text that holds the relation best
+    zero terminal SNR 6000 steps      the shipped model's budget with zero terminal SNR: would it ship?
 
 Each row writes its model under --out (with a checkpoint, so a killed run resumes) and its result
 into --json as soon as it is judged; a row already in --json with the same settings is not run
@@ -62,6 +68,10 @@ ROWS = {
     "relation loss": ({"relation_weight": 1.0}, {}, "all-MiniLM-L6-v2"),
     "relation loss 0.05": ({"relation_weight": 0.05}, {}, "all-MiniLM-L6-v2"),
     "relation loss 0.1 at t >= 600": ({"relation_weight": 0.1, "attention_loss_from": 600}, {}, "all-MiniLM-L6-v2"),
+    "zero terminal SNR": ({"zero_terminal_snr": True}, {}, "all-MiniLM-L6-v2"),
+    "zero terminal SNR + coordinates": ({"zero_terminal_snr": True, "coordinates": True}, {}, "all-MiniLM-L6-v2"),
+    "zero terminal SNR + mpnet": ({"zero_terminal_snr": True}, {"cross_attention_dim": 768}, "all-mpnet-base-v2"),
+    "zero terminal SNR 6000 steps": ({"zero_terminal_snr": True, "steps": 6000}, {}, "all-MiniLM-L6-v2"),
 }
 SETS = ("singles", "pairs")
 

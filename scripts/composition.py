@@ -1,17 +1,19 @@
 """Where the mini SD loses composition, and what steering wins back: the README's Composition section.
 
-    python scripts/composition.py [--model weights/minisd] [--count 64] [--skip probe,leakage,steering,picture]
+    python scripts/composition.py [--model weights/minisd] [--count 64] [--skip probe,leakage,order,steering,picture]
 
 Writes to MODEL/findings/ and prints each table:
   probe.json                   linear probes of the token states (all-MiniLM-L6-v2 and all-mpnet-base-v2):
                                is binding and left/right in the text the U-Net reads?
   leakage.json, leakage.png    attention leakage per layer and timestep, generator pair images and the
                                model's own, split by the judge's verdict
+  order.json                   what the relation word does to the image each sampling step predicts:
+                               each pair sampled with "left of" and with "right of" from one seed
   steering.json                each steering objective alone and combined, on the same prompts and
                                seeds as unsteered sampling (singles and pairs), with 95 % intervals;
                                the best of them also on the held-out pairs
   composition.png              the same seeds unsteered and steered, with both objects' shape-word maps
-Needs the real encoders (python scripts/get_real_encoders.py). About 35 minutes on 2 CPU cores.
+Needs the real encoders (python scripts/get_real_encoders.py). About 37 minutes on 2 CPU cores.
 """
 
 import argparse
@@ -56,6 +58,14 @@ def leakage(pipe, model: str, count: int, out: Path) -> None:
         print(format_leakage(report), flush=True)
     write_json(out / "leakage.json", {"generator": on_generator.to_json(), "generated": on_generated.to_json()})
     draw_leakage(on_generator, on_generated, out / "leakage.png")
+
+
+def order(pipe, model: str, count: int, out: Path) -> None:
+    from sdkit.minisd.trajectory import format_relation_steps, relation_by_step
+
+    result = relation_by_step(pipe, count, model_name=model)
+    print(format_relation_steps([result]), flush=True)
+    write_json(out / "order.json", result.to_json())
 
 
 def draw_leakage(on_generator, on_generated, path) -> None:
@@ -132,7 +142,7 @@ def word_maps(pipe, image: np.ndarray, scene) -> list[np.ndarray]:
 
     pixels = torch.from_numpy(to_model(image))[None]
     with torch.no_grad(), CrossAttentionTrace(pipe.unet, maps=True) as trace:
-        pipe.unet(pipe.model_input(_noised(pixels, MAP_TIMESTEP, 0)), MAP_TIMESTEP,
+        pipe.unet(pipe.model_input(_noised(pipe, pixels, MAP_TIMESTEP, 0)), MAP_TIMESTEP,
                   encoder_hidden_states=pipe.encode([scene.caption]))  # fmt: skip
     maps = trace.token_maps(item=0, size=image.shape[:2])
     words = object_words(token_roles(pipe.encoder.tokenizer, scene.caption, pipe.spec.max_length), scene.objects)
@@ -184,7 +194,7 @@ def main() -> int:
     parser.add_argument("--scale", type=float, default=40.0, help="steering scale")
     parser.add_argument("--steering-steps", type=int, default=15, help="steer the first this many of 25 steps")
     parser.add_argument("--out", default=None, help="where to write (default: MODEL/findings)")
-    parser.add_argument("--skip", default="", help="comma-separated parts to skip: probe,leakage,steering,picture")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: probe,leakage,order,steering,picture")
     parser.add_argument("--encoders", default="weights/encoders", help="where the real encoders are")
     args = parser.parse_args()
     out = Path(args.out or Path(args.model) / "findings")
@@ -197,6 +207,8 @@ def main() -> int:
     pipe.unet.eval()
     if "leakage" not in skip:
         leakage(pipe, args.model, args.count, out)
+    if "order" not in skip:
+        order(pipe, args.model, args.count, out)
     if "steering" not in skip:
         result = steering(pipe, args.model, args.count, args.scale, args.steering_steps, out)
     if "picture" not in skip:

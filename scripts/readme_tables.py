@@ -103,6 +103,18 @@ def verdict_table() -> str:
         + f"\n\n({data['images']} usable pair images; {groups})"  # fmt: skip
 
 
+def order_table() -> str:
+    from sdkit.minisd.trajectory import MEASURES
+
+    data = load("order")
+    last = len(data["timesteps"]) - 1
+    steps = sorted({*range(0, last + 1, 4), last})
+    rows = [[name, *(f"{pct(data['shares'][name][k])} {interval(data['intervals'][name][k])}" for k in steps)]
+            for name in MEASURES]  # fmt: skip
+    return markdown([f"pairs ({data['pairs']}, each with both relations)", *(f"t = {data['timesteps'][k]}" for k in steps)],
+                    rows)  # fmt: skip
+
+
 def steering_table() -> str:
     def judged(pairs) -> list[str]:
         return [pct(pairs["colour"]), pct(pairs["shape"]), pct(pairs["extra"]), pct(pairs["position_if_bound"])]
@@ -255,7 +267,7 @@ def timings_table() -> str:
 
 
 TABLES = {"timings": timings_table, "compute": compute_table, "eval": eval_table, "ablation": ablation_table, "probe": probe_table, "leakage": leakage_table, "verdicts": verdict_table,
-          "steering": steering_table, "tokens": tokens_table, "maps": maps_table, "adapter": adapter_table,
+          "order": order_table, "steering": steering_table, "tokens": tokens_table, "maps": maps_table, "adapter": adapter_table,
           "memory": memory_table, "memory-real": memory_real_table,
           "memory-levels": memory_levels_table, "memory-context": memory_context_table}  # fmt: skip
 

@@ -102,12 +102,11 @@ class Localization:
         return out
 
 
-def _noised(pixels: torch.Tensor, t: int, seed: int) -> torch.Tensor:
+def _noised(pipe, pixels: torch.Tensor, t: int, seed: int) -> torch.Tensor:
+    """The pixels noised to timestep t under the model's own schedule."""
     from diffusers import DDPMScheduler
 
-    from .minisd.pipeline import SCHEDULER_CONFIG
-
-    scheduler = DDPMScheduler.from_config(SCHEDULER_CONFIG)
+    scheduler = DDPMScheduler.from_config(pipe.scheduler_config)
     noise = torch.randn(pixels.shape, generator=torch.Generator().manual_seed(seed))
     return scheduler.add_noise(pixels, noise, torch.full((len(pixels),), t))
 
@@ -149,7 +148,7 @@ def localize(pipe, images: np.ndarray, scenes, masks: list[list[np.ndarray]], ti
                     baselines[i, k] = {"centre prior": _score(prior, mask, taus), "uniform": _score(uniform, mask, taus)}
         for t in timesteps:
             with CrossAttentionTrace(pipe.unet, maps=True, by_timestep=True) as trace:
-                pipe.unet(pipe.model_input(_noised(pixels, t, seed + t)), t, encoder_hidden_states=states)
+                pipe.unet(pipe.model_input(_noised(pipe, pixels, t, seed + t)), t, encoder_hidden_states=states)
             for layer, sums in trace.layers.items():
                 grids[layer] = sums.grid[0] if sums.grid else 0
             for i in range(len(captions)):

@@ -136,3 +136,72 @@ def test_steering_refuses_what_cannot_be(tiny_sd):
     with pytest.raises(SdkitError, match="works at 64x64"):
         steered_sd(pipe, PROMPT, Guide(excite=[[3]]), SteeringSettings(resolution=64, steps=1), num_inference_steps=2,
                    output_type="latent")  # fmt: skip
+
+
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
+def test_predicted_clean_inverts_the_noising(prediction_type):
+    from diffusers import DDPMScheduler
+
+    from sdkit.minisd.pipeline import SCHEDULER_CONFIG
+    from sdkit.minisd.trajectory import predicted_clean
+
+    scheduler = DDPMScheduler.from_config({**SCHEDULER_CONFIG, "prediction_type": prediction_type})
+    generator = torch.Generator().manual_seed(0)
+    clean, noise = torch.randn(2, 3, 8, 8, generator=generator), torch.randn(2, 3, 8, 8, generator=generator)
+    for t in (0, 500, 999):
+        timesteps = torch.tensor([t, t])
+        sample = scheduler.add_noise(clean, noise, timesteps)
+        prediction = noise if prediction_type == "epsilon" else scheduler.get_velocity(clean, noise, timesteps)
+        torch.testing.assert_close(predicted_clean(scheduler, sample, prediction, t), clean, rtol=0, atol=2e-4)
+
+
+def test_order_moment_reads_which_colour_is_left():
+    from sdkit.minisd.data import pair_scene, render, to_model
+    from sdkit.minisd.trajectory import horizontal_moment, order_moment
+
+    weights = torch.zeros(1, 4, 6)
+    weights[0, 2, 5] = 1.0
+    assert horizontal_moment(weights).item() == 2.5  # column 5 of 6, about the centre line at 2.5
+    image = torch.from_numpy(to_model(render(pair_scene(("red", "circle"), "left of", ("blue", "square")), 32).image))
+    images = torch.stack([image, image.flip(-1)])
+    moment = order_moment(images, ["red", "red"], ["blue", "blue"])
+    assert moment[0] < 0 and moment[1] > 0
+    torch.testing.assert_close(moment[1], -moment[0])
+    torch.testing.assert_close(order_moment(images, ["blue", "blue"], ["red", "red"]), -moment)
+
+
+class DrawingPipe:
+    """Stands in for a model: at every step its prediction implies the generator's own image of the
+    caption (epsilon 0 on a schedule without noise), or of the caption with "left of" always."""
+
+    def __init__(self, reads_relation: bool):
+        from types import SimpleNamespace
+
+        self.reads_relation = reads_relation
+        self._scheduler = SimpleNamespace(alphas_cumprod=torch.ones(1000), config=SimpleNamespace(prediction_type="epsilon"))
+
+    def scheduler(self):
+        return self._scheduler
+
+    def __call__(self, captions, steps, guidance_scale, seeds, progress=None, callback_on_step_end=None):
+        from sdkit.minisd.data import parse_caption, render, to_model
+
+        if not self.reads_relation:
+            captions = [c.replace("right of", "left of") for c in captions]
+        images = torch.stack([torch.from_numpy(to_model(render(parse_caption(c), 32).image)) for c in captions])
+        for i, t in enumerate(999 - k * (1000 // steps) for k in range(steps)):
+            callback_on_step_end(i, t, 0, images, torch.zeros_like(images))
+
+
+def test_relation_by_step_tells_a_model_that_reads_the_relation_from_one_that_does_not():
+    from sdkit.minisd.evaluate import prompt_set
+    from sdkit.minisd.trajectory import MEASURES, relation_by_step
+
+    two_colours = sum(s.objects[0].colour != s.objects[1].colour for s in prompt_set("pairs", 16))
+    reads = relation_by_step(DrawingPipe(reads_relation=True), count=16, steps=3)
+    assert reads.pairs == two_colours < 16 and reads.timesteps == [999, 666, 333]
+    assert reads.shares["in order"] == reads.shares["the word orders"] == [1.0, 1.0, 1.0]
+    ignores = relation_by_step(DrawingPipe(reads_relation=False), count=16, steps=3)
+    assert ignores.shares["in order"] == [0.5] * 3  # right for every "left of", wrong for every "right of"
+    assert ignores.shares["the word orders"] == ignores.shares["the word moves colour"] == [0.0] * 3
+    assert set(reads.intervals) == set(MEASURES) and reads.intervals["in order"][0] == [1.0, 1.0]

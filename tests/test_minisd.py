@@ -138,6 +138,10 @@ def test_the_train_command_defaults_are_the_recipe():
     from sdkit.cli.minisd import train_settings
 
     assert train_settings(build_parser().parse_args(["minisd", "train"])) == TrainSettings()
+    options = ["--grounding-weight", "0.25", "--relation-weight", "0.5", "--attention-loss-from", "600",
+               "--zero-terminal-snr"]  # fmt: skip
+    assert train_settings(build_parser().parse_args(["minisd", "train", *options])) == TrainSettings(
+        grounding_weight=0.25, relation_weight=0.5, attention_loss_from=600, zero_terminal_snr=True)
 
 
 @pytest.mark.skipif(not (SHIPPED / "minisd.json").is_file(), reason="no shipped mini SD in weights/minisd")
@@ -166,6 +170,7 @@ def test_every_ablation_row_is_selectable_and_changes_one_thing():
     assert ablate.row_settings("mpnet encoder", 1600)[1] == {**config, "cross_attention_dim": 768}
     assert ablate.row_settings("grounding + coordinates", 1600)[0] == TrainSettings(steps=1600, grounding_weight=1.0,
                                                                                     coordinates=True)  # fmt: skip
+    assert ablate.row_settings("zero terminal SNR 6000 steps", 1600)[0] == TrainSettings(zero_terminal_snr=True)
 
 
 def test_pooled_states_are_one_token():
@@ -238,6 +243,27 @@ def test_progress_moves_at_every_step_and_ends_on_its_total(micro_model, bert):
          progress=count)  # fmt: skip
     assert len(count.updates) == 2 * 7  # each step of each batch (3 + 2 images)
     assert sum(count.updates) == 5  # exactly: sevenths summed as floats give 4.999999999999999
+
+
+def test_the_step_callback_sees_each_batch_and_what_the_scheduler_steps_with(micro_model, bert):
+    pipe = MiniSDPipeline.from_pretrained(micro_model, text_encoder=bert.source)
+    calls, last = [], {}
+
+    def record(index, timestep, first_image, sample, prediction):
+        calls.append((index, int(timestep), first_image, len(sample)))
+        last[first_image] = (timestep, sample.clone(), prediction.clone())
+
+    prompts = ["a red circle at the top left"] * 5
+    images = pipe(prompts, num_inference_steps=2, seeds=list(range(5)), batch_size=3, output_type="pt",
+                  callback_on_step_end=record).images  # fmt: skip
+    scheduler = pipe.scheduler()
+    scheduler.set_timesteps(2)
+    t0, t1 = (int(t) for t in scheduler.timesteps)
+    assert (t0, t1) == (999, 499)  # trailing spacing
+    assert calls == [(0, t0, 0, 3), (1, t1, 0, 3), (0, t0, 3, 2), (1, t1, 3, 2)]
+    for first, (timestep, sample, prediction) in last.items():
+        pixels = scheduler.step(prediction, timestep, sample).prev_sample
+        torch.testing.assert_close((pixels / 2 + 0.5).clamp(0, 1), images[first : first + len(sample)])
 
 
 def test_pooled_model_reads_one_key_value(bert, tmp_path):
@@ -506,3 +532,51 @@ def test_training_with_grounding_or_relation_logs_it_and_changes_the_weights(ber
     assert gated.history[-1]["relation"] == 0
     weights = load_file(tmp_path / "gated" / "unet" / "diffusion_pytorch_model.safetensors")
     assert all(torch.equal(weights[k], runs["none"][k]) for k in weights)
+
+
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
+def test_the_loss_weights_the_implied_image_error_whichever_the_target(prediction_type):
+    from diffusers import DDPMScheduler
+
+    from sdkit.minisd.pipeline import SCHEDULER_CONFIG
+    from sdkit.minisd.train import weighted_loss
+
+    scheduler = DDPMScheduler.from_config({**SCHEDULER_CONFIG, "prediction_type": prediction_type})
+    generator = torch.Generator().manual_seed(0)
+    pixels, noise = torch.randn(4, 3, 8, 8, generator=generator), torch.randn(4, 3, 8, 8, generator=generator)
+    timesteps = torch.tensor([0, 200, 600, 999])
+    noisy = scheduler.add_noise(pixels, noise, timesteps)
+    alpha = scheduler.alphas_cumprod[timesteps].sqrt()[:, None, None, None]
+    sigma = (1 - scheduler.alphas_cumprod[timesteps]).sqrt()[:, None, None, None]
+    # a prediction whose implied clean image is off by `error`, in the target's own terms
+    error = 0.1 * torch.randn(4, 3, 8, 8, generator=generator)
+    guess = pixels + error
+    prediction = (noisy - alpha * guess) / sigma if prediction_type == "epsilon" else (alpha * noisy - guess) / sigma
+    snr = (alpha / sigma).flatten() ** 2
+    expected = ((snr.clamp(max=5) + 1) * error.pow(2).mean(dim=(1, 2, 3))).mean()
+    settings = TrainSettings()
+    got = weighted_loss(prediction, pixels, noise, timesteps, scheduler, settings)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=0)
+    exact = scheduler.get_velocity(pixels, noise, timesteps) if prediction_type == "v_prediction" else noise
+    assert weighted_loss(exact, pixels, noise, timesteps, scheduler, settings) < 1e-9
+
+
+def test_zero_terminal_snr_ends_at_pure_noise_and_the_model_samples_with_it(bert, tmp_path):
+    from sdkit.localization import _noised
+
+    out = tmp_path / "zero-snr"
+    train(out, bert, _settings(zero_terminal_snr=True), micro_config(bert.width), progress=False, cache_dir=None)
+    pipe = MiniSDPipeline.from_pretrained(out, text_encoder=bert.source)
+    assert pipe.scheduler_config["prediction_type"] == "v_prediction"
+    assert pipe.scheduler_config["rescale_betas_zero_snr"] is True
+    scheduler = pipe.scheduler()
+    assert scheduler.alphas_cumprod[999] == 0
+    pixels = torch.rand(2, 3, 32, 32) * 2 - 1
+    # the model's own schedule noises its images: at the last timestep nothing of them is left
+    assert torch.equal(_noised(pipe, pixels, 999, 7), _noised(pipe, -pixels, 999, 7))
+    assert not torch.equal(_noised(pipe, pixels, 998, 7), _noised(pipe, -pixels, 998, 7))
+    images = pipe(["a red circle left of a blue square"], num_inference_steps=3, seeds=[0]).images
+    assert images.shape == (1, 32, 32, 3) and np.isfinite(images).all()
+    trained = json.loads((out / "minisd.json").read_text())["training"]["settings"]
+    assert trained["zero_terminal_snr"] is True
+    assert recorded_settings({k: v for k, v in trained.items() if k != "zero_terminal_snr"})["zero_terminal_snr"] is False

@@ -32,8 +32,8 @@ def train_settings(args):
                          image_size=args.image_size, conditioning=args.conditioning,
                          empty_fraction=args.empty_fraction, pair_fraction=args.pair_fraction,
                          grounding_weight=args.grounding_weight, relation_weight=args.relation_weight,
-                         attention_loss_from=args.attention_loss_from, precision=args.precision,
-                         compile=not args.no_compile)  # fmt: skip
+                         attention_loss_from=args.attention_loss_from, zero_terminal_snr=args.zero_terminal_snr,
+                         precision=args.precision, compile=not args.no_compile)  # fmt: skip
 
 
 def cmd_minisd_train(args) -> None:
@@ -191,6 +191,9 @@ def register(sub) -> None:
                    help="weight of the loss that orders a pair's attention as its caption does (left of / right of; 0: off)")
     q.add_argument("--attention-loss-from", type=nonnegative_int, default=0, metavar="T",
                    help="apply those two losses only to images noised to timestep T or more (of 1000)")
+    q.add_argument("--zero-terminal-snr", action="store_true",
+                   help="rescale the noise schedule to end at pure noise and predict v (Lin et al. 2024; SD 1.x ends "
+                        "at SNR 0.0047 and predicts the noise)")  # fmt: skip
     q.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
                    help="bf16: bfloat16 autocast on float32 weights; auto: bf16 where the device computes it natively")
     q.add_argument("--no-compile", action="store_true", help="skip torch.compile (saves its ~1-2 min start; trains slower)")

@@ -89,7 +89,7 @@ def measure(pipe, images: np.ndarray, scenes, masks, timesteps=TIMESTEPS, verdic
         roles = [token_roles(pipe.encoder.tokenizer, c, pipe.spec.max_length) for c in captions]
         for t in timesteps:
             with CrossAttentionTrace(pipe.unet, maps=True, by_timestep=True) as trace:
-                pipe.unet(pipe.model_input(_noised(pixels, t, seed + t)), t, encoder_hidden_states=states)
+                pipe.unet(pipe.model_input(_noised(pipe, pixels, t, seed + t)), t, encoder_hidden_states=states)
             for j, i in enumerate(chunk):
                 scene, (own_masks) = scenes[i], [m.astype(np.float64) for m in masks[i]]
                 left = 0 if scene.relation == "left of" else 1

@@ -210,7 +210,7 @@ class MiniSDPipeline:
                  guidance_scale: float = 4.0, generator=None, seeds: list[int] | None = None, sampler: str = "ddim",
                  prompt_embeds: torch.Tensor | None = None, negative_prompt_embeds: torch.Tensor | None = None,
                  output_type: str = "np", steering=None, guides: list | None = None, batch_size: int = 64,
-                 progress=None) -> MiniSDOutput:  # fmt: skip
+                 progress=None, callback_on_step_end=None) -> MiniSDOutput:  # fmt: skip
         """Generate one image per prompt (or per row of prompt_embeds), with diffusers' argument names.
 
         The starting noise of image i comes from seeds[i] (so any image can be made again alone), or
@@ -219,6 +219,9 @@ class MiniSDPipeline:
         `steering` (sdkit.steering.SteeringSettings) and one sdkit.steering.Guide per image, the
         cross-attention is steered before each of the first steering.steps denoising steps.
         `progress` (a tqdm bar counting images, say) moves on by fractions of images at each step.
+        `callback_on_step_end(step_index, timestep, first_image, sample, prediction)` is called at
+        each step of each batch with the batch's (steered) sample and its guided prediction, before
+        the scheduler steps; first_image is the batch's first image's index.
         """
         steps = num_inference_steps
         trained = self.scheduler_config.get("num_train_timesteps", 1000)
@@ -256,8 +259,10 @@ class MiniSDPipeline:
         for start in range(0, n, batch_size):
             stop = min(start + batch_size, n)
             part = None if steering is None else guides[start:stop]
+            on_step = None if callback_on_step_end is None else \
+                lambda i, t, sample, prediction, start=start: callback_on_step_end(i, t, start, sample, prediction)
             pixels, steered = self._generate(prompt_embeds[start:stop], negative_prompt_embeds, noise[start:stop],
-                                             guidance_scale, steps, sampler, steering, part, progress)  # fmt: skip
+                                             guidance_scale, steps, sampler, steering, part, progress, on_step)  # fmt: skip
             images.append(pixels)
             losses += [[step, start + image, loss] for step, image, loss in steered]
         pixels = torch.cat(images)
@@ -278,7 +283,7 @@ class MiniSDPipeline:
 
     @torch.no_grad()
     def _generate(self, states, negative, noise, guidance_scale, steps, sampler, steering=None, guides=None,
-                  progress=None):  # fmt: skip
+                  progress=None, on_step=None):  # fmt: skip
         """(pixels (batch, 3, H, W) in [-1, 1], the steering losses of this batch). `progress` moves on
         by the batch's images over the steps at each step: a batch of 64 images takes minutes."""
         param = next(self.unet.parameters())
@@ -301,14 +306,17 @@ class MiniSDPipeline:
             if steering is not None:
                 sample = steerer.step(sample, t, states, guides, i, len(scheduler.timesteps))
             model_input = self.model_input(scheduler.scale_model_input(torch.cat([sample, sample]) if together else sample, t))
-            eps = self.unet(model_input, t, encoder_hidden_states=context).sample
+            # the model's prediction: epsilon, or v where it was trained on v (the scheduler's config says)
+            prediction = self.unet(model_input, t, encoder_hidden_states=context).sample
             if together:
-                uncond, eps = eps.chunk(2)
+                uncond, prediction = prediction.chunk(2)
             elif guided:
                 uncond = self.unet(model_input, t, encoder_hidden_states=negative).sample
             if guided:
-                eps = uncond + guidance_scale * (eps - uncond)
-            sample = scheduler.step(eps, t, sample).prev_sample
+                prediction = uncond + guidance_scale * (prediction - uncond)
+            if on_step is not None:
+                on_step(i, t, sample, prediction)
+            sample = scheduler.step(prediction, t, sample).prev_sample
             if progress is not None:
                 done = round(1024 * len(states) * (i + 1) / len(scheduler.timesteps))
                 progress.update((done - moved) / 1024)

@@ -1,6 +1,7 @@
 """Train a mini SD: SD 1.x's recipe at the size of a laptop.
 
-epsilon-prediction under diffusers' DDPMScheduler (scaled_linear betas), the frozen text encoder's
+epsilon-prediction under diffusers' DDPMScheduler (scaled_linear betas; or v-prediction on betas
+rescaled to zero terminal SNR, `zero_terminal_snr`), the frozen text encoder's
 token states (encoded once per caption and cached), about 10 % empty captions for classifier-free
 guidance, Min-SNR loss weighting (with a floor for the noisiest steps), AdamW with warm-up and cosine decay, EMA weights (what is saved),
 all through accelerate (`accelerate launch -m sdkit.cli minisd train` spreads each batch over GPUs).
@@ -62,6 +63,12 @@ class TrainSettings:
     # attend left of the second's when the caption says "left of". Also a departure; 0: off.
     relation_weight: float = 0.0
     attention_loss_from: int = 0  # both losses only on images noised to at least this timestep (of 1,000)
+    # SD 1.x's schedule stops at SNR 0.0047, not 0: at the last timestep a training image still shows
+    # where its objects are (an object's pixels, matched-filtered, stand about 0.7 noise deviations
+    # out), so the model can learn to take the layout from the noise, and at sampling, pure noise has
+    # no layout to give. True: betas rescaled to end at SNR 0 (Lin et al. 2024) and the U-Net predicts
+    # v (SD 2.x's target), since at SNR 0 the noise is the input and predicting it teaches nothing.
+    zero_terminal_snr: bool = False
     seed: int = 0
     # "bf16": torch's autocast (bfloat16 convolutions and matmuls on float32 weights), where the
     # device computes bfloat16 natively (this CPU's AMX does it 3-7x faster than float32); "fp32";
@@ -98,7 +105,8 @@ class TrainSettings:
 
 PRECISIONS = ("auto", "bf16", "fp32")
 # Settings added after models were trained and recorded, with the value every earlier run had.
-ADDED_SETTINGS = {"coordinates": False, "grounding_weight": 0.0, "relation_weight": 0.0, "attention_loss_from": 0}
+ADDED_SETTINGS = {"coordinates": False, "grounding_weight": 0.0, "relation_weight": 0.0, "attention_loss_from": 0,
+                  "zero_terminal_snr": False}
 
 
 def recorded_settings(recorded: dict) -> dict:
@@ -235,18 +243,29 @@ def compile_blocks(unet) -> None:
             module.compile()
 
 
-def weighted_loss(prediction, noise, timesteps, noise_scheduler, settings: TrainSettings) -> torch.Tensor:
-    """The batch's epsilon MSE, each sample weighted by its timestep (float32 whatever the precision)."""
+def scheduler_config(settings: TrainSettings) -> dict:
+    """The noise schedule and prediction target a run trains with (and its model samples with)."""
+    if settings.zero_terminal_snr:
+        return {**SCHEDULER_CONFIG, "rescale_betas_zero_snr": True, "prediction_type": "v_prediction"}
+    return dict(SCHEDULER_CONFIG)
+
+
+def weighted_loss(prediction, pixels, noise, timesteps, noise_scheduler, settings: TrainSettings) -> torch.Tensor:
+    """The batch's MSE on the scheduler's target (epsilon or v), each sample weighted by its timestep
+    (float32 whatever the precision)."""
     from diffusers.training_utils import compute_snr
 
-    loss = F.mse_loss(prediction.float(), noise, reduction="none").mean(dim=(1, 2, 3))
+    v_prediction = noise_scheduler.config.prediction_type == "v_prediction"
+    target = noise_scheduler.get_velocity(pixels, noise, timesteps) if v_prediction else noise
+    loss = F.mse_loss(prediction.float(), target, reduction="none").mean(dim=(1, 2, 3))
     if settings.snr_gamma:
-        # The epsilon error is sqrt(SNR) x the error of the implied clean image, so weighting the
-        # epsilon MSE by w / SNR weights the image error by w = min(SNR, gamma) + floor: Min-SNR's
+        # The epsilon error is sqrt(SNR) x the error of the implied clean image, and the v error
+        # sqrt(SNR + 1) x it, so dividing the MSE by SNR (or SNR + 1) and multiplying by
+        # w = min(SNR, gamma) + floor weights the image error by w, whichever the target: Min-SNR's
         # clip at the clean end, and at least `floor` at the noisy end, where plain epsilon MSE
         # (w = SNR) gives the layout and colours the text decides almost no weight.
         snr = compute_snr(noise_scheduler, timesteps)
-        loss = loss * (torch.clamp(snr, max=settings.snr_gamma) + settings.x0_weight_floor) / snr
+        loss = loss * (torch.clamp(snr, max=settings.snr_gamma) + settings.x0_weight_floor) / (snr + v_prediction)
     return loss.mean()
 
 
@@ -425,7 +444,7 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
         raise SdkitError(f"context length {settings.context_length} must hold the longest caption "
                          f"({int(captions.lengths.max())} tokens) and fit the encoder ({encoder.max_length})")  # fmt: skip
     captions.max_length = settings.context_length
-    noise_scheduler = DDPMScheduler.from_config(SCHEDULER_CONFIG)
+    noise_scheduler = DDPMScheduler.from_config(scheduler_config(settings))
     unet = build_unet(config, weights="random", seed=settings.seed).train()
     if device.type == "cpu" and settings.precision == "bf16":
         # On the CPU, attention as bmm + softmax trains 1.6x faster in bfloat16 than the fused
@@ -464,7 +483,7 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
             noisy = add_coordinates(noisy) if settings.coordinates else noisy
             with autocast:
                 prediction = model(noisy, timesteps, encoder_hidden_states=states).sample
-            loss = weighted_loss(prediction, noise, timesteps, noise_scheduler, settings)
+            loss = weighted_loss(prediction, pixels, noise, timesteps, noise_scheduler, settings)
             total = loss
             if maps:
                 rows = [captions.row[text] for text in batch.captions]
@@ -518,7 +537,7 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
                                     "seconds": round(seconds, 1), "samples_per_second": round(result.samples_per_second, 2),
                                     "processes": accelerator.num_processes, "device": str(accelerator.device),
                                     "history": history})  # fmt: skip
-        MiniSDPipeline(final.cpu(), SCHEDULER_CONFIG, spec).save_pretrained(out)
+        MiniSDPipeline(final.cpu(), scheduler_config(settings), spec).save_pretrained(out)
     return result
 
 

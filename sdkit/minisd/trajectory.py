@@ -1,0 +1,123 @@
+"""When is a pair's order lost? What the relation word does to the predicted image, step by step.
+
+At each sampling step the model's prediction implies a clean image (x0). For a pair "A left of B"
+(two colours), the order of the two objects in it is read from the contrast between their colours:
+each pixel's projection on A's colour minus B's (the grey background projects to 0), weighted by
+the pixel's horizontal place; a negative moment puts A's colour left of B's. Each pair caption is
+sampled twice from the same seed, once with "left of" and once with "right of", so what the
+relation word does is seen apart from what the noise does. Per step, over the pairs:
+
+    in order              the caption's order is the image's (both captions counted; 50 % = chance)
+    the word orders       the swap moves A's colour left of B's, the order the captions ask for
+    the word moves colour the swap moves the colour, whichever object's, left: the relation word
+                          read as a place ("at the left") rather than as a relation between two
+
+It needs no judge, so it reads the blurry mean images of the first steps too.
+
+    steps = relation_by_step(MiniSDPipeline.from_pretrained("weights/minisd"), count=64)
+    print(format_relation_steps([steps]))
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from ..common import format_table
+from .data import colour_rgb, pair_scene
+
+MEASURES = ("in order", "the word orders", "the word moves colour")
+
+
+@dataclass
+class RelationSteps:
+    model: str
+    pairs: int  # pair prompts with two colours, each sampled under both relations from seed i
+    guidance_scale: float
+    timesteps: list[int]  # of each sampling step
+    shares: dict[str, list[float]]  # per measure (MEASURES), per step
+    intervals: dict[str, list[list[float]]]  # per measure, per step: 95 % bootstrap interval over the pairs
+    seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def predicted_clean(scheduler, sample: torch.Tensor, prediction: torch.Tensor, timestep) -> torch.Tensor:
+    """The clean image a prediction (epsilon or v, as the scheduler's config says) implies at `timestep`."""
+    alpha_bar = scheduler.alphas_cumprod[int(timestep)].to(sample.dtype)
+    alpha, sigma = alpha_bar.sqrt(), (1 - alpha_bar).sqrt()
+    if scheduler.config.prediction_type == "v_prediction":
+        return alpha * sample - sigma * prediction
+    if scheduler.config.prediction_type != "epsilon":
+        raise ValueError(f"predicted_clean reads epsilon or v predictions, not {scheduler.config.prediction_type}")
+    return (sample - sigma * prediction) / alpha
+
+
+def horizontal_moment(weights: torch.Tensor) -> torch.Tensor:
+    """(n, H, W) -> (n,): the weights' first moment about the image's vertical centre line."""
+    width = weights.shape[-1]
+    return (weights * (torch.arange(width, dtype=torch.float32) - (width - 1) / 2)).sum(dim=(1, 2))
+
+
+def order_moment(images: torch.Tensor, first: list[str], second: list[str]) -> torch.Tensor:
+    """Per image (n, 3, H, W in [-1, 1]): the horizontal moment of the first colour's contrast
+    against the second's; negative where the first colour lies left of the second."""
+    def in_model_space(names: list[str]) -> torch.Tensor:
+        return torch.tensor([colour_rgb(name) for name in names], dtype=torch.float32) * 2 - 1
+
+    direction = in_model_space(first) - in_model_space(second)
+    return horizontal_moment(torch.einsum("nchw,nc->nhw", images.float(), direction))
+
+
+def relation_by_step(pipe, count: int = 64, guidance_scale: float = 4.0, steps: int = 25, model_name: str = "model",
+                     progress=None) -> RelationSteps:  # fmt: skip
+    """The evaluation's first `count` pair prompts (those with two colours), each sampled with
+    "left of" and with "right of" from seed i, read step by step (see the module's docstring)."""
+    from .evaluate import prompt_set
+
+    start = time.perf_counter()
+    scenes = [s for s in prompt_set("pairs", count) if s.objects[0].colour != s.objects[1].colour]
+    first = [s.objects[0].colour for s in scenes]
+    second = [s.objects[1].colour for s in scenes]
+    scheduler = pipe.scheduler()
+    timesteps: list[int] = []
+    order = {r: torch.zeros(len(scenes), steps) for r in ("left of", "right of")}  # contrast moment
+    colour = {r: torch.zeros(len(scenes), steps) for r in ("left of", "right of")}  # colour-mass moment
+    for relation in order:
+
+        def record(index, timestep, begin, sample, prediction, relation=relation):
+            if relation == "left of" and begin == 0:
+                timesteps.append(int(timestep))
+            clean = predicted_clean(scheduler, sample.float().cpu(), prediction.float().cpu(), timestep)
+            end = begin + len(sample)
+            order[relation][begin:end, index] = order_moment(clean, first[begin:end], second[begin:end])
+            colour[relation][begin:end, index] = horizontal_moment(clean.norm(dim=1))
+
+        captions = [pair_scene((s.objects[0].colour, s.objects[0].shape), relation,
+                               (s.objects[1].colour, s.objects[1].shape), template=s.template).caption
+                    for s in scenes]  # fmt: skip
+        pipe(captions, steps, guidance_scale, seeds=list(range(len(scenes))), progress=progress,
+             callback_on_step_end=record)  # fmt: skip
+    left, right = order["left of"], order["right of"]
+    per_pair = {"in order": ((left < 0).float() + (right > 0).float()) / 2, "the word orders": (left < right).float(),
+                "the word moves colour": (colour["left of"] < colour["right of"]).float()}  # fmt: skip
+    draws = torch.from_numpy(np.random.default_rng(0).integers(0, len(scenes), (2000, len(scenes))))
+    shares, intervals = {}, {}
+    for name, table in per_pair.items():
+        means = table[draws].mean(1)  # (draws, steps)
+        shares[name] = table.mean(0).tolist()
+        intervals[name] = torch.stack([means.quantile(0.025, dim=0), means.quantile(0.975, dim=0)], 1).tolist()
+    return RelationSteps(model_name, len(scenes), guidance_scale, timesteps, shares, intervals,
+                         time.perf_counter() - start)  # fmt: skip
+
+
+def format_relation_steps(results: list[RelationSteps], every: int = 4) -> str:
+    """Per model and measure, the share at every `every`-th step and the last."""
+    steps = sorted({*range(0, len(results[0].timesteps), every), len(results[0].timesteps) - 1})
+    rows = [[r.model if i == 0 else "", name, *(f"{100 * r.shares[name][k]:.0f} %" for k in steps)]
+            for r in results for i, name in enumerate(MEASURES)]  # fmt: skip
+    return format_table(["model", "pairs", *(f"t = {results[0].timesteps[k]}" for k in steps)], rows)
