@@ -30,6 +30,8 @@ objects and 64 pairs, DDIM 25 steps, guidance 4, with 95 % bootstrap intervals o
     zero terminal SNR + coordinates   with the layout left to the text, the queries given a place to match
     zero terminal SNR + mpnet         with the layout left to the text, the text that holds the relation best
     zero terminal SNR 6000 steps      the shipped model's budget with zero terminal SNR: would it ship?
+    zero terminal SNR + floor 5       and five times the weight on the noisiest images, where only the text
+                                      can order a pair (the implied image's error weighted min(SNR, 5) + 5)
 
 Each row writes its model under --out (with a checkpoint, so a killed run resumes) and its result
 into --json as soon as it is judged; a row already in --json with the same settings is not run
@@ -72,6 +74,7 @@ ROWS = {
     "zero terminal SNR + coordinates": ({"zero_terminal_snr": True, "coordinates": True}, {}, "all-MiniLM-L6-v2"),
     "zero terminal SNR + mpnet": ({"zero_terminal_snr": True}, {"cross_attention_dim": 768}, "all-mpnet-base-v2"),
     "zero terminal SNR 6000 steps": ({"zero_terminal_snr": True, "steps": 6000}, {}, "all-MiniLM-L6-v2"),
+    "zero terminal SNR + floor 5": ({"zero_terminal_snr": True, "x0_weight_floor": 5.0}, {}, "all-MiniLM-L6-v2"),
 }
 SETS = ("singles", "pairs")
 
