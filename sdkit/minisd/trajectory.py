@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ..common import format_table
-from .data import colour_rgb, pair_scene
+from .data import RELATIONS, colour_rgb, pair_scene
 
 MEASURES = ("in order", "the word orders", "the word moves colour")
 
@@ -66,10 +66,8 @@ def horizontal_moment(weights: torch.Tensor) -> torch.Tensor:
 def order_moment(images: torch.Tensor, first: list[str], second: list[str]) -> torch.Tensor:
     """Per image (n, 3, H, W in [-1, 1]): the horizontal moment of the first colour's contrast
     against the second's; negative where the first colour lies left of the second."""
-    def in_model_space(names: list[str]) -> torch.Tensor:
-        return torch.tensor([colour_rgb(name) for name in names], dtype=torch.float32) * 2 - 1
-
-    direction = in_model_space(first) - in_model_space(second)
+    # in [-1, 1] pixels: (2a - 1) - (2b - 1) = 2 (a - b)
+    direction = 2 * torch.tensor([[a - b for a, b in zip(colour_rgb(x), colour_rgb(y))] for x, y in zip(first, second)])
     return horizontal_moment(torch.einsum("nchw,nc->nhw", images.float(), direction))
 
 
@@ -85,12 +83,12 @@ def relation_by_step(pipe, count: int = 64, guidance_scale: float = 4.0, steps: 
     second = [s.objects[1].colour for s in scenes]
     scheduler = pipe.scheduler()
     timesteps: list[int] = []
-    order = {r: torch.zeros(len(scenes), steps) for r in ("left of", "right of")}  # contrast moment
-    colour = {r: torch.zeros(len(scenes), steps) for r in ("left of", "right of")}  # colour-mass moment
-    for relation in order:
+    order = {r: torch.zeros(len(scenes), steps) for r in RELATIONS}  # contrast moment
+    colour = {r: torch.zeros(len(scenes), steps) for r in RELATIONS}  # colour-mass moment
+    for relation in RELATIONS:
 
         def record(index, timestep, begin, sample, prediction, relation=relation):
-            if relation == "left of" and begin == 0:
+            if index == len(timesteps):
                 timesteps.append(int(timestep))
             clean = predicted_clean(scheduler, sample.float().cpu(), prediction.float().cpu(), timestep)
             end = begin + len(sample)
