@@ -3,23 +3,27 @@
 Both loops train the minisd preset on the same batches (the generator's images and captions, the
 same noise and timesteps). The plain loop is what a first training script does: float32, eager,
 forward, MSE, backward, AdamW step and nothing else. Ours is `sdkit.minisd.train.train` with its
-defaults (bfloat16 autocast where the device computes it natively, bmm attention on the CPU,
-torch.compile, fused AdamW), with everything a real run does besides (Min-SNR weighting, gradient
-clipping, EMA, logging). Samples/s are steady-state rates, measured after warm-up steps (for ours,
-after compilation, whose time is printed apart), in interleaved rounds. It prints both rates, their
-ratio and the machine's core count, then times one sampling call of 16 images (DDIM, 25 steps,
-guidance: 50 U-Net evaluations of a batch of 16).
+defaults (bfloat16 autocast where the device computes it natively, bmm attention on the CPU, each
+Transformer2D block compiled, the parameters in one flat tensor for fused AdamW, clipping and EMA,
+freed memory kept for reuse), with everything a real run does besides (Min-SNR weighting, gradient
+clipping, EMA, logging). Each loop runs in a fresh process of its own, as a user's script would, so
+neither inherits the other's compiled code or allocator state. Samples/s are steady-state rates,
+measured after warm-up steps (for ours, after compilation, whose time is printed apart), in
+interleaved rounds. It prints both rates, their ratio and the machine's core count, then times one
+sampling call of 16 images (DDIM, 25 steps, guidance: 50 U-Net evaluations of a batch of 16).
 
-Needs the real text encoder (python scripts/get_real_encoders.py); about 5 minutes on 2 cores.
+Needs the real text encoder (python scripts/get_real_encoders.py); about 6 minutes on 2 cores.
 
     python scripts/bench_minisd.py [--steps 30] [--rounds 2]
 """
 
 import argparse
+import multiprocessing
 import os
 import statistics
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -34,10 +38,18 @@ from sdkit.presets import build_unet, preset_config
 WARMUP = 25  # steps before the clock starts (ours: compilation happens in the first of them)
 
 
-def plain_loop(settings: TrainSettings, captions, steps: int) -> float:
+def captions_of(encoder):
+    captions = encode_captions(encoder, ["", *all_captions()], "weights/cache", progress=False)
+    captions.max_length = TrainSettings().context_length
+    return captions
+
+
+def plain_loop(encoder_path: str, steps: int) -> float:
     """Samples per second of the simplest loop that trains the same model on the same batches."""
     from diffusers import DDPMScheduler
 
+    settings = TrainSettings(steps=WARMUP + steps)
+    captions = captions_of(load_text_encoder(encoder_path))
     scheduler = DDPMScheduler.from_config(SCHEDULER_CONFIG)
     unet = build_unet(preset_config("minisd"), weights="random", seed=settings.seed).train()
     optimizer = torch.optim.AdamW(unet.parameters(), lr=settings.lr)
@@ -52,12 +64,12 @@ def plain_loop(settings: TrainSettings, captions, steps: int) -> float:
     return steps * settings.batch_size / (time.perf_counter() - began)
 
 
-def our_loop(settings: TrainSettings, encoder, out: str) -> tuple[float, float]:
+def our_loop(encoder_path: str, steps: int, out: str) -> tuple[float, float]:
     """(steady samples per second, seconds to the end of warm-up) of sdkit's own loop."""
-    result = train(out, encoder, settings, cache_dir="weights/cache", progress=False)
+    settings = TrainSettings(steps=WARMUP + steps)
+    result = train(out, load_text_encoder(encoder_path), settings, cache_dir="weights/cache", progress=False)
     at = {h["step"]: h["seconds"] for h in result.history}  # a history entry every 25 steps
-    last = settings.steps
-    return (last - WARMUP) * settings.batch_size / (at[last] - at[WARMUP]), at[WARMUP]
+    return steps * settings.batch_size / (at[settings.steps] - at[WARMUP]), at[WARMUP]
 
 
 def main() -> None:
@@ -67,22 +79,20 @@ def main() -> None:
     parser.add_argument("--encoder", default="weights/encoders/all-MiniLM-L6-v2")
     args = parser.parse_args()
     print(f"expected duration: about {args.rounds * 2 + 2} minutes on 2 CPU cores", flush=True)
-    torch.manual_seed(0)
-    encoder = load_text_encoder(args.encoder)
-    captions = encode_captions(encoder, ["", *all_captions()], "weights/cache", progress=True)
-    captions.max_length = TrainSettings().context_length
+    captions_of(load_text_encoder(args.encoder))  # encoded once into the cache both loops read
     ours, plain, warmups = [], [], []
-    with tempfile.TemporaryDirectory() as tmp, tqdm(total=2 * args.rounds, desc="rounds", unit="loop") as bar:
+    fresh = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), max_tasks_per_child=1)
+    with tempfile.TemporaryDirectory() as tmp, fresh as pool, tqdm(total=2 * args.rounds, desc="rounds", unit="loop") as bar:
         for r in range(args.rounds):
-            settings = TrainSettings(steps=WARMUP + args.steps)
-            plain.append(plain_loop(settings, captions, args.steps))
+            plain.append(pool.submit(plain_loop, args.encoder, args.steps).result())
             bar.update(1)
-            rate, warmup = our_loop(settings, encoder, f"{tmp}/run{r}")
+            rate, warmup = pool.submit(our_loop, args.encoder, args.steps, f"{tmp}/run{r}").result()
             ours.append(rate)
             warmups.append(warmup)
             bar.update(1)
         pipe = MiniSDPipeline.from_pretrained(f"{tmp}/run0", text_encoder=args.encoder)
     ours_s, plain_s = statistics.median(ours), statistics.median(plain)
+    settings = TrainSettings()
     print(f"\ntraining, batch {settings.batch_size}, {args.steps} timed steps x {args.rounds} rounds (median), "
           f"{os.cpu_count()} CPU cores, torch {torch.__version__}:")
     print(f"  sdkit minisd train: {ours_s:7.1f} samples/s  (defaults: precision auto, compile; Min-SNR, EMA, "

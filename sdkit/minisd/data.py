@@ -15,6 +15,7 @@ needs no stored data set and resumes at any step.
 from __future__ import annotations
 
 import colorsys
+import math
 import random
 from dataclasses import dataclass
 
@@ -155,15 +156,20 @@ def render(scene: Scene, side: int = DEFAULT_SIDE, rng: random.Random | None = N
     """
     if side < 12:
         raise ValueError(f"image side {side} is too small for a 3x3 grid of objects (at least 12)")
-    points = (np.arange(side * supersample) + 0.5) / supersample
-    y, x = np.meshgrid(points, points, indexing="ij")
-    cell = side / 3
+    cell, r = side / 3, RADIUS * side
     image = np.broadcast_to(np.array(BACKGROUND, np.float32), (side, side, 3)).copy()
     masks = []
     for obj in scene.objects:
         jx, jy = (rng.uniform(-JITTER, JITTER) * side, rng.uniform(-JITTER, JITTER) * side) if rng else (0.0, 0.0)
-        inside = shape_coverage(obj.shape, x, y, (obj.column + 0.5) * cell + jx, (obj.row + 0.5) * cell + jy, RADIUS * side)
-        alpha = inside.reshape(side, supersample, side, supersample).mean(axis=(1, 3)).astype(np.float32)
+        cx, cy = (obj.column + 0.5) * cell + jx, (obj.row + 0.5) * cell + jy
+        # Only the pixels of the object's box are sampled: every shape lies within r of its centre.
+        top, left = max(0, math.floor(cy - r) - 1), max(0, math.floor(cx - r) - 1)
+        bottom, right = min(side, math.ceil(cy + r) + 1), min(side, math.ceil(cx + r) + 1)
+        y, x = np.meshgrid((np.arange(top * supersample, bottom * supersample) + 0.5) / supersample,
+                           (np.arange(left * supersample, right * supersample) + 0.5) / supersample, indexing="ij")  # fmt: skip
+        inside = shape_coverage(obj.shape, x, y, cx, cy, r)
+        alpha = np.zeros((side, side), np.float32)
+        alpha[top:bottom, left:right] = inside.reshape(bottom - top, supersample, right - left, supersample).mean(axis=(1, 3))
         image = image * (1 - alpha[..., None]) + np.array(colour_rgb(obj.colour), np.float32) * alpha[..., None]
         masks.append(alpha >= 0.5)
     return Sample(scene, image.astype(np.float32), np.stack(masks))
