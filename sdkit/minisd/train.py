@@ -283,9 +283,9 @@ def compile_blocks(unet) -> None:
     given the mini SD's parameters wrong gradients, silently. With the context around the compiled
     model, 280 of 326 got none in training; with the autocast entered inside a compiled forward, 296
     got gradients as far from float32's as a guess: that run went 7 % faster, its loss fell, and at
-    1,600 steps it drew nothing it was asked (0 % of single objects). A test holds every gradient of
-    this way of compiling against eager's on the mini SD itself (a micro U-Net's were right where
-    the mini SD's were not). Block by block the gradients are eager's and the speed nearly the same."""
+    1,600 steps it drew nothing it was asked (0 % of single objects). Block by block the gradients
+    are eager's and the speed nearly the same: a test holds every one against eager's on the mini SD
+    itself (a micro U-Net's whole-compiled gradients were right where the mini SD's were not)."""
     from diffusers.models.transformers.transformer_2d import Transformer2DModel
 
     for module in unet.modules():
