@@ -72,6 +72,11 @@ def our_loop(encoder_path: str, steps: int, out: str) -> tuple[float, float]:
     return steps * settings.batch_size / (at[settings.steps] - at[WARMUP]), at[WARMUP]
 
 
+def in_a_fresh_process(function, *args):
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(function, *args).result()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=50, help="timed steps per loop per round (a multiple of 25)")
@@ -81,12 +86,11 @@ def main() -> None:
     print(f"expected duration: about {args.rounds * 2 + 2} minutes on 2 CPU cores", flush=True)
     captions_of(load_text_encoder(args.encoder))  # encoded once into the cache both loops read
     ours, plain, warmups = [], [], []
-    fresh = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), max_tasks_per_child=1)
-    with tempfile.TemporaryDirectory() as tmp, fresh as pool, tqdm(total=2 * args.rounds, desc="rounds", unit="loop") as bar:
+    with tempfile.TemporaryDirectory() as tmp, tqdm(total=2 * args.rounds, desc="rounds", unit="loop") as bar:
         for r in range(args.rounds):
-            plain.append(pool.submit(plain_loop, args.encoder, args.steps).result())
+            plain.append(in_a_fresh_process(plain_loop, args.encoder, args.steps))
             bar.update(1)
-            rate, warmup = pool.submit(our_loop, args.encoder, args.steps, f"{tmp}/run{r}").result()
+            rate, warmup = in_a_fresh_process(our_loop, args.encoder, args.steps, f"{tmp}/run{r}")
             ours.append(rate)
             warmups.append(warmup)
             bar.update(1)

@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file
 
 from sdkit.common import SdkitError
-from sdkit.minisd.data import (BACKGROUND, HELD_OUT_PAIRS, HELD_OUT_SINGLES, all_captions, colour_rgb, pair_scene,
-                               SHAPES, random_scene, render, sample_at, shape_coverage,
+from sdkit.minisd.data import (BACKGROUND, CELLS, HELD_OUT_PAIRS, HELD_OUT_SINGLES, JITTER, RADIUS, all_captions,
+                               colour_rgb, pair_scene, SHAPES, random_scene, render, sample_at, shape_coverage,
                                single_scene)  # fmt: skip
 from sdkit.minisd.evaluate import BLUR_NOISE, BLUR_PIXELS, blurred
 from sdkit.minisd.judge import accuracy, classify_shape, find_objects, judge, min_object_pixels, shape_moments
@@ -42,6 +42,25 @@ def test_masks_match_the_images(side):
             assert mask.sum() >= 0.3 * (0.28 * side) ** 2
         untouched = ~np.any(np.abs(sample.image - background) > 1e-6, axis=-1)
         assert not (untouched & sample.masks.any(0)).any()
+
+
+def test_drawing_each_objects_box_is_drawing_every_point():
+    # render samples only the supersampled points of each object's box; sampling every point of
+    # the image must give the same bits, wherever the jitter puts the object and whatever the side.
+    for side in (12, 32, 33, 64):
+        points = (np.arange(side * 4) + 0.5) / 4
+        y, x = np.meshgrid(points, points, indexing="ij")
+        for shape in SHAPES:
+            for k, (row, column) in enumerate(CELLS.values()):
+                jitter = random.Random(k)
+                drawn = render(single_scene("red", shape, list(CELLS)[k]), side, random.Random(k))
+                jx, jy = jitter.uniform(-JITTER, JITTER) * side, jitter.uniform(-JITTER, JITTER) * side
+                inside = shape_coverage(shape, x, y, (column + 0.5) * side / 3 + jx, (row + 0.5) * side / 3 + jy,
+                                        RADIUS * side)  # fmt: skip
+                alpha = inside.reshape(side, 4, side, 4).mean(axis=(1, 3)).astype(np.float32)[..., None]
+                every_point = np.array(BACKGROUND, np.float32) * (1 - alpha) + np.array(colour_rgb("red"), np.float32) * alpha
+                assert np.array_equal(drawn.image, every_point.astype(np.float32)), (side, shape, k)
+                assert np.array_equal(drawn.masks[0], alpha[..., 0] >= 0.5)
 
 
 def test_generator_is_deterministic_and_keeps_held_out_combinations_out():
@@ -357,8 +376,7 @@ def test_compiled_blocks_give_every_gradient_eager_gives():
     tokens[:, 0, 1:3], tokens[:2, 1, 4], masks[:, 0, :, :12], masks[:2, 1, 8:20, 20:] = 1, 1, 1, 1
     for unet, precision in ((reference, torch.float32), (eager, torch.bfloat16), (compiled, torch.bfloat16)):
         for _ in range(2):  # the second pass runs the compiled code as training's later steps do
-            for p in unet.parameters():
-                p.grad = None if unet is not compiled else p.grad.zero_()
+            unet.zero_grad(set_to_none=unet is not compiled)  # the flattened one's gradients are views: in place
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == torch.bfloat16):
                 out = unet(x, t, encoder_hidden_states=states).sample
             (F.mse_loss(out.float(), noise) + grounding_loss(maps[id(unet)], tokens, masks)).backward()

@@ -518,8 +518,6 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
     if checkpoint and checkpoint.is_file():
         start, history = load_checkpoint(checkpoint, unet, ema, optimizer, fingerprint)
     optimizer = accelerator.prepare(optimizer)
-    if any(p.untyped_storage().data_ptr() != weights.untyped_storage().data_ptr() for p in unet.parameters()):
-        raise RuntimeError("the model's parameters are no longer views into the optimizer's flat tensor")
     if settings.compile:
         compile_blocks(unet)
     ema.to(accelerator.device)
