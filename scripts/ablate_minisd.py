@@ -32,6 +32,17 @@ objects and 64 pairs, DDIM 25 steps, guidance 4, with 95 % bootstrap intervals o
     zero terminal SNR 6000 steps      the shipped model's budget with zero terminal SNR: would it ship?
     zero terminal SNR + floor 5       and five times the weight on the noisiest images, where only the text
                                       can order a pair (the implied image's error weighted min(SNR, 5) + 5)
+    swapped pairs at t >= 600   half the pair images noised to timestep 600 or more are noised from the
+                        pair with its two objects exchanged (each cell kept), the loss asking for the
+                        true image: the noise then says where objects are but not which is which, so
+                        only the caption can (a departure from SD's recipe)
+    swapped pairs + coordinates   the same, with coordinate channels: a place for the queries to read
+                        which object goes where from the caption
+    place embeddings    diffusers' sinusoidal positional embedding before every transformer block's
+                        attentions (BasicTransformerBlock's positional_embeddings): queries that know
+                        their place, as the layout probe's do (a departure from SD 1.x)
+    place embeddings + swapped pairs   queries that know their place, and noise that cannot say
+                        which object is where
 
 Each row writes its model under --out (with a checkpoint, so a killed run resumes) and its result
 into --json as soon as it is judged; a row already in --json with the same settings is not run
@@ -75,6 +86,11 @@ ROWS = {
     "zero terminal SNR + mpnet": ({"zero_terminal_snr": True}, {"cross_attention_dim": 768}, "all-mpnet-base-v2"),
     "zero terminal SNR 6000 steps": ({"zero_terminal_snr": True, "steps": 6000}, {}, "all-MiniLM-L6-v2"),
     "zero terminal SNR + floor 5": ({"zero_terminal_snr": True, "x0_weight_floor": 5.0}, {}, "all-MiniLM-L6-v2"),
+    "swapped pairs at t >= 600": ({"swap_fraction": 0.5, "swap_from": 600}, {}, "all-MiniLM-L6-v2"),
+    "swapped pairs + coordinates": ({"swap_fraction": 0.5, "swap_from": 600, "coordinates": True}, {}, "all-MiniLM-L6-v2"),
+    "place embeddings": ({"place_embeddings": True}, {}, "all-MiniLM-L6-v2"),
+    "place embeddings + swapped pairs": ({"place_embeddings": True, "swap_fraction": 0.5, "swap_from": 600}, {},
+                                         "all-MiniLM-L6-v2"),
 }
 SETS = ("singles", "pairs")
 

@@ -4,7 +4,8 @@
 
 Writes to MODEL/findings/ and prints each table:
   probe.json                   linear probes of the token states (all-MiniLM-L6-v2 and all-mpnet-base-v2):
-                               is binding and left/right in the text the U-Net reads?
+                               is binding and left/right in the text the U-Net reads? And the layout
+                               probe: one cross-attention from two place queries reading both sides
   leakage.json, leakage.png    attention leakage per layer and timestep, generator pair images and the
                                model's own, split by the judge's verdict
   order.json                   what the relation word does to the image each sampling step predicts:

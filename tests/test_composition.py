@@ -25,7 +25,33 @@ def test_probe_reads_what_is_there_and_only_that(bert):
     assert rows[("shape", "left")]["input embedding"] == 0.5
     # Nor can a shape word's own embedding know the colour bound to it.
     assert rows[("shape", "colour")]["input embedding"] <= rows[("shape", "colour")]["chance"] + 0.05
-    assert all(r["test"] == 1472 and r["train"] == 3424 for r in report.rows)
+    assert all(r["test"] == 1472 and r["train"] == 3424 for r in report.rows if r["word"] != "caption")
+    # The layout, one row per caption: input embeddings hold the words but not their order, so they
+    # cannot say which object is left (at most half), let alone bind each colour to its shape.
+    layout = rows[("caption", "layout")]
+    assert (layout["train"], layout["test"]) == (1712, 736) and layout["chance"] < 0.02
+    assert layout["input embedding"] < 0.5
+
+
+def test_layout_reader_reads_each_side_from_where_it_is_written():
+    from sdkit.minisd.probe import fit_layout_reader, layout_accuracy
+
+    # tokens 0 and 1 hold the left object's colour and shape one-hot and a "left" mark, tokens 2 and 3
+    # the right's with a "right" mark: each query must find its own side's tokens to read them
+    generator = torch.Generator().manual_seed(0)
+    labels = torch.stack([torch.randint(0, 6, (600,), generator=generator), torch.randint(0, 6, (600,), generator=generator),
+                          torch.randint(0, 3, (600,), generator=generator), torch.randint(0, 3, (600,), generator=generator)], 1)  # fmt: skip
+    states = torch.zeros(600, 5, 20)
+    for i, (c1, c2, s1, s2) in enumerate(labels.tolist()):
+        states[i, 0, c1], states[i, 0, 18] = 1, 1  # a left-side colour token
+        states[i, 1, 6 + s1], states[i, 1, 18] = 1, 1
+        states[i, 2, 9 + c2], states[i, 2, 19] = 1, 1  # right side: its own colour features
+        states[i, 3, 15 + s2], states[i, 3, 19] = 1, 1
+    real = torch.tensor([True] * 4 + [False]).expand(600, 5)
+    reader = fit_layout_reader(states[:500], real[:500], labels[:500], steps=600)
+    assert layout_accuracy(reader, states[500:], real[500:], labels[500:]) > 0.95
+    shuffled = labels[500:].roll(1, 0)
+    assert layout_accuracy(reader, states[500:], real[500:], shuffled) < 0.1
 
 
 def test_probe_fits_a_separable_problem():

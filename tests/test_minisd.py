@@ -1,5 +1,6 @@
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +11,7 @@ from safetensors.torch import load_file
 from sdkit.common import SdkitError
 from sdkit.minisd.data import (BACKGROUND, CELLS, HELD_OUT_PAIRS, HELD_OUT_SINGLES, JITTER, RADIUS, all_captions,
                                colour_rgb, pair_scene, SHAPES, random_scene, render, sample_at, shape_coverage,
-                               single_scene)  # fmt: skip
+                               single_scene, to_model)  # fmt: skip
 from sdkit.minisd.evaluate import BLUR_NOISE, BLUR_PIXELS, blurred
 from sdkit.minisd.judge import accuracy, classify_shape, find_objects, judge, min_object_pixels, shape_moments
 from sdkit.minisd.pipeline import MiniSDPipeline, pool_states
@@ -145,7 +146,8 @@ def test_judge_counts_objects():
 @pytest.mark.parametrize("field,value", [("pair_fraction", 1.5), ("empty_fraction", -0.1), ("context_length", 0),
                                          ("lr", float("nan")), ("conditioning", "words"),
                                          ("grounding_weight", -1.0), ("relation_weight", float("inf")),
-                                         ("attention_loss_from", 1000)])  # fmt: skip
+                                         ("attention_loss_from", 1000), ("swap_fraction", 1.5),
+                                         ("swap_from", -1)])  # fmt: skip
 def test_training_settings_refuse_what_cannot_be(field, value):
     TrainSettings().check()
     with pytest.raises(SdkitError, match=field.split("_")[0]):
@@ -158,9 +160,10 @@ def test_the_train_command_defaults_are_the_recipe():
 
     assert train_settings(build_parser().parse_args(["minisd", "train"])) == TrainSettings()
     options = ["--grounding-weight", "0.25", "--relation-weight", "0.5", "--attention-loss-from", "600",
-               "--zero-terminal-snr"]  # fmt: skip
+               "--zero-terminal-snr", "--swap-fraction", "0.5", "--swap-from", "700", "--place-embeddings"]  # fmt: skip
     assert train_settings(build_parser().parse_args(["minisd", "train", *options])) == TrainSettings(
-        grounding_weight=0.25, relation_weight=0.5, attention_loss_from=600, zero_terminal_snr=True)
+        grounding_weight=0.25, relation_weight=0.5, attention_loss_from=600, zero_terminal_snr=True,
+        swap_fraction=0.5, swap_from=700, place_embeddings=True)
 
 
 @pytest.mark.skipif(not (SHIPPED / "minisd.json").is_file(), reason="no shipped mini SD in weights/minisd")
@@ -190,6 +193,8 @@ def test_every_ablation_row_is_selectable_and_changes_one_thing():
     assert ablate.row_settings("grounding + coordinates", 1600)[0] == TrainSettings(steps=1600, grounding_weight=1.0,
                                                                                     coordinates=True)  # fmt: skip
     assert ablate.row_settings("zero terminal SNR 6000 steps", 1600)[0] == TrainSettings(zero_terminal_snr=True)
+    assert ablate.row_settings("place embeddings + swapped pairs", 1600)[0] == TrainSettings(
+        steps=1600, place_embeddings=True, swap_fraction=0.5, swap_from=600)
 
 
 def test_pooled_states_are_one_token():
@@ -659,3 +664,82 @@ def test_zero_terminal_snr_ends_at_pure_noise_and_the_model_samples_with_it(bert
     trained = json.loads((out / "minisd.json").read_text())["training"]["settings"]
     assert trained["zero_terminal_snr"] is True
     assert recorded_settings({k: v for k, v in trained.items() if k != "zero_terminal_snr"})["zero_terminal_snr"] is False
+
+
+def test_a_swapped_pair_exchanges_its_objects_and_keeps_their_cells_and_shifts():
+    from sdkit.minisd.data import swapped_objects
+
+    index = next(i for i in range(100) if len(sample_at(0, i).scene.objects) == 2)
+    sample, swapped = sample_at(0, index), sample_at(0, index, swapped=True)
+    a, b = sample.scene.objects
+    assert swapped.scene == swapped_objects(sample.scene) != sample.scene
+    assert [(o.colour, o.shape, o.row, o.column) for o in swapped.scene.objects] == \
+        [(b.colour, b.shape, a.row, a.column), (a.colour, a.shape, b.row, b.column)]  # fmt: skip
+    # the same shift from each cell: swapped back, the swapped scene draws the sample's very pixels
+    rng = random.Random(f"0:{index}")
+    random_scene(rng)
+    assert np.array_equal(render(swapped_objects(swapped.scene), 32, rng).image, sample.image)
+    single = next(i for i in range(100) if len(sample_at(0, i).scene.objects) == 1)
+    assert np.array_equal(sample_at(0, single, swapped=True).image, sample_at(0, single).image)
+
+
+def test_swapped_pairs_are_noised_from_the_exchange_and_the_loss_asks_for_the_true_image(bert):
+    from diffusers import DDPMScheduler
+
+    from sdkit.minisd.data import all_captions
+    from sdkit.minisd.pipeline import SCHEDULER_CONFIG
+    from sdkit.minisd.train import batch_at, encode_captions, noised_from_swapped
+
+    captions = encode_captions(bert, ["", *all_captions()], None, progress=False)
+    settings = _settings(batch_size=16, swap_fraction=1.0, swap_from=0, empty_fraction=0.0)
+    batch = batch_at(2, settings, captions)
+    for i in range(16):
+        index = 2 * 16 + i
+        expected = sample_at(0, index, 32, swapped=True).image
+        assert np.array_equal(batch.noised_from[i].numpy(), to_model(expected))
+        assert torch.equal(batch.pixels[i], torch.from_numpy(to_model(sample_at(0, index, 32).image)))
+    pairs = [i for i in range(16) if batch.masks[i, 1].any()]
+    assert 0 < len(pairs) < 16  # singles are noised from themselves
+    assert all(torch.equal(batch.noised_from[i], batch.pixels[i]) == (i not in pairs) for i in range(16))
+    # only timesteps from swap_from on, and only swap_fraction of them
+    late = batch_at(2, replace(settings, swap_from=999), captions)
+    assert torch.equal(late.noised_from, late.pixels)
+    half = [batch_at(s, replace(settings, swap_fraction=0.5), captions) for s in range(8)]
+    swapped = sum(int((b.noised_from != b.pixels).flatten(1).any(1).sum()) for b in half)
+    paired = sum(int(b.masks[:, 1].flatten(1).any(1).sum()) for b in half)
+    assert 0.3 < swapped / paired < 0.7
+    scheduler = DDPMScheduler.from_config(SCHEDULER_CONFIG)
+    noisy, noise = noised_from_swapped(batch.pixels, batch.noised_from, batch.noise, batch.timesteps, scheduler)
+    assert torch.equal(noisy, scheduler.add_noise(batch.noised_from, batch.noise, batch.timesteps))
+    # the noise the loss asks for takes the true image to that same noisy image ...
+    torch.testing.assert_close(scheduler.add_noise(batch.pixels, noise, batch.timesteps), noisy, atol=1e-5, rtol=0)
+    # ... and is the drawn noise itself, to the bit, where nothing was swapped
+    assert all(torch.equal(noise[i], batch.noise[i]) == (i not in pairs) for i in range(16))
+
+
+def test_place_embeddings_give_queries_their_place_and_survive_saving(bert, tmp_path):
+    from diffusers.models.attention import BasicTransformerBlock
+
+    out = tmp_path / "places"
+    train(out, bert, _settings(place_embeddings=True), micro_config(bert.width), progress=False, cache_dir=None)
+    pipe = MiniSDPipeline.from_pretrained(out, text_encoder=bert.source)
+    assert pipe.spec.place_embeddings is True
+    blocks = [m for m in pipe.unet.modules() if isinstance(m, BasicTransformerBlock)]
+    assert blocks and all(b.pos_embed is not None for b in blocks)
+    # the weights file is a stock U-Net's: the embedding is rebuilt from the shapes, not stored
+    saved = load_file(out / "unet" / "diffusion_pytorch_model.safetensors")
+    assert not any("pos_embed" in k for k in saved)
+    # what the first attention's queries are made from, for one image, with and without places
+    x, states = torch.zeros(1, 3, 32, 32), torch.randn(1, 6, bert.width, generator=torch.Generator().manual_seed(0))
+    seen = []
+    hook = blocks[0].attn1.register_forward_pre_hook(lambda module, args: seen.append(args[0][0]))
+    with torch.no_grad():
+        with_places = pipe.unet(x, torch.tensor([999]), encoder_hidden_states=states).sample
+        embeddings = [b.pos_embed for b in blocks]
+        for b in blocks:
+            b.pos_embed = None
+        without = pipe.unet(x, torch.tensor([999]), encoder_hidden_states=states).sample
+    hook.remove()
+    # each cell's query input carries its own sinusoid (before cross-attention too: diffusers' block)
+    torch.testing.assert_close(seen[0] - seen[1], embeddings[0].pe[0, : seen[0].shape[0]])
+    assert not torch.allclose(with_places, without)

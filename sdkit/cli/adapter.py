@@ -47,6 +47,10 @@ def _run_comparison(args, new_dir, old_dir, prompts, note: str | None = None) ->
     new = load_text_encoder(new_dir, layer=args.new_layer, allow_pickle=args.allow_pickle, **length)
     old = load_text_encoder(old_dir, layer=args.old_layer, allow_pickle=args.allow_pickle, **length)
     unet = load_unet(args.unet, allow_pickle=args.allow_pickle) if args.unet != "none" else None
+    if spec and spec.place_embeddings:  # not in the weights file: a function of the shapes
+        from ..minisd.pipeline import add_place_embeddings
+
+        add_place_embeddings(unet, spec.image_size)
     kinds = args.kinds
     if spec:
         unet_name = f"{args.unet} (trained mini SD)"

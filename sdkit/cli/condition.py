@@ -109,11 +109,15 @@ def cmd_condition(args) -> None:
     device = resolve_device(args.device)
     phase(f"building {args.unet} with random weights" if args.unet in PRESETS else f"loading {args.unet}")
     unet = load_unet(args.unet, allow_pickle=args.allow_pickle)
+    spec = minisd_spec(args.unet)
+    if spec is not None and spec.place_embeddings:  # not in the weights file: a function of the shapes
+        from ..minisd.pipeline import add_place_embeddings
+
+        add_place_embeddings(unet, spec.image_size)
     preflight(unet, args.latent_size, device, maps=bool(args.maps))
     unet = unet.to(device)
     note = "preset with RANDOM weights: the numbers show the mechanism, not what a trained model reads" \
         if args.unet in PRESETS else ""  # fmt: skip
-    spec = minisd_spec(args.unet)
     if spec is not None:  # a mini SD reads its own encoder, at its own context length
         from ..minisd.pipeline import find_text_encoder
 

@@ -33,6 +33,8 @@ def train_settings(args):
                          empty_fraction=args.empty_fraction, pair_fraction=args.pair_fraction,
                          grounding_weight=args.grounding_weight, relation_weight=args.relation_weight,
                          attention_loss_from=args.attention_loss_from, zero_terminal_snr=args.zero_terminal_snr,
+                         swap_fraction=args.swap_fraction, swap_from=args.swap_from,
+                         place_embeddings=args.place_embeddings,
                          precision=args.precision, compile=not args.no_compile)  # fmt: skip
 
 
@@ -194,6 +196,15 @@ def register(sub) -> None:
     q.add_argument("--zero-terminal-snr", action="store_true",
                    help="rescale the noise schedule to end at pure noise and predict v (Lin et al. 2024; SD 1.x ends "
                         "at SNR 0.0047 and predicts the noise)")  # fmt: skip
+    q.add_argument("--place-embeddings", action="store_true",
+                   help="add diffusers' sinusoidal positional embedding before each transformer block's attention, so "
+                        "queries know their place (SD 1.x has none: a departure)")  # fmt: skip
+    q.add_argument("--swap-fraction", type=float, default=0.0, metavar="F",
+                   help="noise this fraction of pair images from the pair with its objects exchanged, asking for the "
+                        "true image: the noise then cannot say which object is where (a departure from SD's recipe; "
+                        "default 0: off)")  # fmt: skip
+    q.add_argument("--swap-from", type=nonnegative_int, default=600, metavar="T",
+                   help="... only at timesteps T or more (of 1000; default 600)")
     q.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
                    help="bf16: bfloat16 autocast on float32 weights; auto: bf16 where the device computes it natively")
     q.add_argument("--no-compile", action="store_true", help="skip torch.compile (saves its ~1-2 min start; trains slower)")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import colorsys
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -175,11 +175,21 @@ def render(scene: Scene, side: int = DEFAULT_SIDE, rng: random.Random | None = N
     return Sample(scene, image.astype(np.float32), np.stack(masks))
 
 
+def swapped_objects(scene: Scene) -> Scene:
+    """The scene with its two objects' colours and shapes exchanged, each cell kept (a pair's other order)."""
+    a, b = scene.objects
+    return replace(scene, objects=(replace(a, colour=b.colour, shape=b.shape), replace(b, colour=a.colour, shape=a.shape)))
+
+
 def sample_at(seed: int, index: int, side: int = DEFAULT_SIDE, pair_fraction: float = 0.5,
-              held_out: bool = False) -> Sample:  # fmt: skip
-    """The index-th sample of the stream `seed`: the same on every machine and in every run."""
+              held_out: bool = False, swapped: bool = False) -> Sample:  # fmt: skip
+    """The index-th sample of the stream `seed`: the same on every machine and in every run.
+
+    swapped=True: a pair's sample drawn with its objects exchanged (swapped_objects), each object
+    shifted from its cell as in the sample itself; a single object's sample as it is."""
     rng = random.Random(f"{seed}:{index}")
-    return render(random_scene(rng, pair_fraction, held_out), side, rng)
+    scene = random_scene(rng, pair_fraction, held_out)
+    return render(swapped_objects(scene) if swapped and len(scene.objects) == 2 else scene, side, rng)
 
 
 _SCENES: dict[str, Scene] = {}

@@ -49,6 +49,10 @@ class MiniSDSpec:
     # Two coordinate channels (x and y in [-1, 1]) beside the pixels at the U-Net's input: a
     # positional signal SD 1.x does not have (a departure, for the ablation).
     coordinates: bool = False
+    # Sinusoidal place embeddings before each transformer block's attentions (see add_place_embeddings):
+    # queries that know where they are, which SD 1.x's have only from the convolutions' padding (a
+    # departure, for the ablation).
+    place_embeddings: bool = False
     training: dict = field(default_factory=dict)
 
     @classmethod
@@ -86,8 +90,9 @@ class MiniSDSpec:
             return f"space must be 'pixels' (the mini SD has no VAE), not {self.space!r}"
         if not isinstance(self.training, dict):
             return "training must be an object"
-        if not isinstance(self.coordinates, bool):
-            return f"coordinates must be true or false, not {self.coordinates!r}"
+        for name in ("coordinates", "place_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                return f"{name} must be true or false, not {getattr(self, name)!r}"
         return None
 
     def write(self, folder: str | os.PathLike) -> None:
@@ -100,6 +105,25 @@ def add_coordinates(sample: torch.Tensor) -> torch.Tensor:
     y = torch.linspace(-1, 1, height, dtype=sample.dtype, device=sample.device)[:, None].expand(height, width)
     x = torch.linspace(-1, 1, width, dtype=sample.dtype, device=sample.device)[None, :].expand(height, width)
     return torch.cat([sample, torch.stack([x, y]).expand(batch, 2, height, width)], dim=1)
+
+
+def add_place_embeddings(unet, image_size: int) -> None:
+    """Give each of the U-Net's transformer blocks diffusers' own sinusoidal positional embedding
+    (BasicTransformerBlock's positional_embeddings="sinusoidal"): added to the normed cells before
+    self- and cross-attention, by each cell's place in raster order, so a query knows where it is.
+
+    The embedding is a function of the shapes alone: kept out of the state dict, so the weights file
+    stays a stock UNet2DConditionModel's. Adding them twice changes nothing."""
+    from diffusers.models.attention import BasicTransformerBlock
+    from diffusers.models.embeddings import SinusoidalPositionalEmbedding
+
+    for block in unet.modules():
+        if isinstance(block, BasicTransformerBlock) and block.pos_embed is None:
+            embedding = SinusoidalPositionalEmbedding(block.norm1.normalized_shape[0], max_seq_length=image_size**2)
+            table = embedding.pe
+            del embedding.pe
+            embedding.register_buffer("pe", table, persistent=False)
+            block.pos_embed = embedding.to(unet.device)
 
 
 def pool_states(states: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
@@ -161,6 +185,8 @@ class MiniSDPipeline:
 
     def __init__(self, unet, scheduler_config: dict, spec: MiniSDSpec, encoder: TextEncoder | None = None):
         self.unet, self.scheduler_config, self.spec, self.encoder = unet.eval(), dict(scheduler_config), spec, encoder
+        if spec.place_embeddings:
+            add_place_embeddings(unet, spec.image_size)
 
     @classmethod
     def from_pretrained(cls, folder: str | os.PathLike, text_encoder: str | os.PathLike | None = None,

@@ -7,6 +7,12 @@ pairs and tested on others (no pair of objects in both), for
     colour:  the object's own colour (from its shape word, this is binding: "circle" knowing it is red)
     left:    whether the object is the left one (the relation word and the word order, composed)
 
+and, from the whole caption rather than one word,
+
+    layout:  which object is on the left and which on the right (both colours and both shapes), read
+             by one cross-attention layer whose two queries are learnt constants, one per side: the
+             U-Net's cross-attention with queries that know only where they are
+
 Controls in the same table: chance (the commonest class of the test set), and the same probe on
 the encoder's context-free input embeddings (the word's own embedding: no context, no position).
 If the contextual states carry an answer the control does not, the text encoder hands it to the
@@ -20,6 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from ..common import format_table
 from ..encoders import TextEncoder, token_roles
@@ -136,14 +143,96 @@ def run_probe(encoder: TextEncoder, test_fraction: float = 0.3, seed: int = 0) -
                 entry[name] = probe_accuracy(model, x[test], y[test])
                 entry[f"{name} (train)"] = probe_accuracy(model, x[train], y[train])
             report.rows.append(entry)
+    report.rows.append(layout_probe(encoder, scenes, test_pairs))
     report.seconds = time.perf_counter() - start
     return report
+
+
+class LayoutReader(torch.nn.Module):
+    """One cross-attention layer (no biases on keys and values, as in SD) from two learnt queries,
+    one for the left object and one for the right, then a linear read of each one's colour and shape."""
+
+    def __init__(self, width: int, inner: int = 64, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.queries = torch.nn.Parameter(0.02 * torch.randn(2, inner))
+        self.to_k = torch.nn.Linear(width, inner, bias=False)
+        self.to_v = torch.nn.Linear(width, inner, bias=False)
+        self.read = torch.nn.Linear(inner, len(COLOURS) + len(SHAPES))
+
+    def forward(self, states: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        """(captions, 2 sides, colours + shapes) logits from (captions, tokens, width) states."""
+        n, tokens, _ = states.shape
+        keys = self.to_k(states).view(n, tokens, self.heads, -1)
+        values = self.to_v(states).view(n, tokens, self.heads, -1)
+        queries = self.queries.view(2, self.heads, -1)
+        scores = torch.einsum("qhd,nthd->nhqt", queries, keys) / keys.shape[-1] ** 0.5
+        weights = scores.masked_fill(~real[:, None, None, :], float("-inf")).softmax(-1)
+        return self.read(torch.einsum("nhqt,nthd->nqhd", weights, values).reshape(n, 2, -1))
+
+
+def layout_labels(scenes) -> torch.Tensor:
+    """(captions, 4): the left object's colour and the right one's, then their shapes (indices)."""
+    labels = []
+    for scene in scenes:
+        a, b = scene.objects
+        left, right = (a, b) if scene.relation == "left of" else (b, a)
+        labels.append([list(COLOURS).index(left.colour), list(COLOURS).index(right.colour),
+                       SHAPES.index(left.shape), SHAPES.index(right.shape)])  # fmt: skip
+    return torch.tensor(labels)
+
+
+def layout_accuracy(reader: LayoutReader, states: torch.Tensor, real: torch.Tensor, labels: torch.Tensor) -> float:
+    """The fraction of captions whose two sides are both read right (colour and shape)."""
+    with torch.no_grad():
+        logits = reader(states, real)
+    colours, shapes = logits[..., : len(COLOURS)].argmax(-1), logits[..., len(COLOURS) :].argmax(-1)
+    return float((torch.cat([colours, shapes], 1) == labels).all(1).float().mean())
+
+
+def fit_layout_reader(states: torch.Tensor, real: torch.Tensor, labels: torch.Tensor, steps: int = 1500,
+                      batch_size: int = 64, seed: int = 0) -> LayoutReader:  # fmt: skip
+    generator = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    reader = LayoutReader(states.shape[-1])
+    optimizer = torch.optim.Adam(reader.parameters(), lr=3e-3)
+    for _ in range(steps):
+        rows = torch.randint(0, len(states), (batch_size,), generator=generator)
+        logits, y = reader(states[rows], real[rows]), labels[rows]
+        loss = F.cross_entropy(logits[..., : len(COLOURS)].reshape(-1, len(COLOURS)), y[:, :2].reshape(-1)) + \
+            F.cross_entropy(logits[..., len(COLOURS) :].reshape(-1, len(SHAPES)), y[:, 2:].reshape(-1))  # fmt: skip
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return reader
+
+
+def layout_probe(encoder: TextEncoder, scenes, test_pairs: set, batch_size: int = 256) -> dict:
+    """The layout probe's row: trained on the captions of some object pairs, tested on the others'."""
+    table = encoder.model.get_input_embeddings().weight.detach().float()
+    captions = [s.caption for s in scenes]
+    real = torch.cat([encoder.real_mask(captions[i : i + batch_size]) for i in range(0, len(captions), batch_size)])
+    contextual = torch.cat([encoder.encode(captions[i : i + batch_size]).float() for i in range(0, len(captions), batch_size)])
+    ids = encoder.tokenize(captions)["input_ids"]
+    embedding = table[ids] * real[..., None]
+    labels = layout_labels(scenes)
+    test = torch.tensor([frozenset((o.colour, o.shape) for o in s.objects) in test_pairs for s in scenes])
+    combos = labels[test].unique(dim=0, return_counts=True)[1]
+    entry = {"word": "caption", "target": "layout", "train": int((~test).sum()), "test": int(test.sum()),
+             "chance": float(combos.max() / test.sum())}  # fmt: skip
+    for name, x in (("contextual", contextual), ("input embedding", embedding)):
+        reader = fit_layout_reader(x[~test], real[~test], labels[~test])
+        entry[name] = layout_accuracy(reader, x[test], real[test], labels[test])
+        entry[f"{name} (train)"] = layout_accuracy(reader, x[~test], real[~test], labels[~test])
+    return entry
 
 
 QUESTIONS = {("colour", "colour"): "its own colour, from the colour word (the word itself)",
              ("shape", "colour"): "its own colour, from the shape word (binding)",
              ("colour", "left"): "whether it is the left one, from the colour word (the relation)",
-             ("shape", "left"): "whether it is the left one, from the shape word (the relation)"}  # fmt: skip
+             ("shape", "left"): "whether it is the left one, from the shape word (the relation)",
+             ("caption", "layout"): "which object is left and which right, from the caption, by one "
+                                    "cross-attention from two place queries (the layout)"}  # fmt: skip
 
 
 def format_probe(reports: list[ProbeReport]) -> str:

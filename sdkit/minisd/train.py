@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from ..common import SdkitError, atomic_path
 from ..encoders import TextEncoder, encoder_fingerprint
 from .data import all_captions, parse_caption, sample_at, to_model
-from .pipeline import CONDITIONINGS, SCHEDULER_CONFIG, MiniSDPipeline, MiniSDSpec, add_coordinates, pool_states
+from .pipeline import (CONDITIONINGS, SCHEDULER_CONFIG, MiniSDPipeline, MiniSDSpec, add_coordinates,
+                       add_place_embeddings, pool_states)  # fmt: skip
 
 CHECKPOINT = "checkpoint.safetensors"
 
@@ -59,6 +60,7 @@ class TrainSettings:
     context_length: int = 24
     conditioning: str = "tokens"  # or "pooled": the mean token state, one key/value
     coordinates: bool = False  # x and y channels at the U-Net's input (a departure from SD 1.x; see MiniSDSpec)
+    place_embeddings: bool = False  # sinusoidal places before each transformer block's attention (a departure; see MiniSDSpec)
     # Weight of the grounding loss (see grounding_loss): each object's words made to attend to its
     # mask, TokenCompose's token loss. A departure from SD's recipe, which has no masks to do it; 0: off.
     grounding_weight: float = 0.0
@@ -66,6 +68,14 @@ class TrainSettings:
     # attend left of the second's when the caption says "left of". Also a departure; 0: off.
     relation_weight: float = 0.0
     attention_loss_from: int = 0  # both losses only on images noised to at least this timestep (of 1,000)
+    # The fraction of pair images noised, at timesteps of at least swap_from, from the pair with its
+    # two objects exchanged (each cell kept), while the loss still asks for the true image. In SD's
+    # recipe the noisy image always shows its caption's objects where they are, so a model can take
+    # which object is where from the noise instead of the text; at sampling, the noise shows nothing.
+    # At 0.5 the noisy image says nothing about which object is where: only the caption does. A
+    # departure from SD's recipe; 0: off.
+    swap_fraction: float = 0.0
+    swap_from: int = 600
     # SD 1.x's schedule stops at SNR 0.0047, not 0: at the last timestep a training image still shows
     # where its objects are (an object's pixels, matched-filtered, stand about 0.7 noise deviations
     # out), so the model can learn to take the layout from the noise, and at sampling, pure noise has
@@ -84,7 +94,7 @@ class TrainSettings:
             if getattr(self, name) <= 0:
                 raise SdkitError(f"{name} must be positive, not {getattr(self, name)}")
         for name in ("lr", "weight_decay", "max_grad_norm", "snr_gamma", "x0_weight_floor", "empty_fraction",
-                     "pair_fraction", "grounding_weight", "relation_weight"):
+                     "pair_fraction", "grounding_weight", "relation_weight", "swap_fraction"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise SdkitError(f"{name} must be a finite number >= 0, not {value}")
@@ -92,13 +102,14 @@ class TrainSettings:
             raise SdkitError("lr must be positive")
         if self.image_size < 12:
             raise SdkitError(f"image_size must be at least 12 pixels (a 3x3 grid of objects), not {self.image_size}")
-        if self.empty_fraction > 1 or self.pair_fraction > 1:
-            raise SdkitError("empty_fraction and pair_fraction are fractions (0 to 1)")
+        if self.empty_fraction > 1 or self.pair_fraction > 1 or self.swap_fraction > 1:
+            raise SdkitError("empty_fraction, pair_fraction and swap_fraction are fractions (0 to 1)")
         if self.conditioning not in CONDITIONINGS:
             raise SdkitError(f"unknown conditioning {self.conditioning!r}; choose one of {', '.join(CONDITIONINGS)}")
-        if not 0 <= self.attention_loss_from < SCHEDULER_CONFIG["num_train_timesteps"]:
-            raise SdkitError(f"attention_loss_from must be a timestep from 0 to "
-                             f"{SCHEDULER_CONFIG['num_train_timesteps'] - 1}, not {self.attention_loss_from}")  # fmt: skip
+        for name in ("attention_loss_from", "swap_from"):
+            if not 0 <= getattr(self, name) < SCHEDULER_CONFIG["num_train_timesteps"]:
+                raise SdkitError(f"{name} must be a timestep from 0 to "
+                                 f"{SCHEDULER_CONFIG['num_train_timesteps'] - 1}, not {getattr(self, name)}")  # fmt: skip
         if (self.grounding_weight or self.relation_weight) and self.conditioning != "tokens":
             raise SdkitError("the grounding and relation losses need token conditioning: a pooled caption is one key, "
                              "whose weight is 1 everywhere")  # fmt: skip
@@ -109,7 +120,7 @@ class TrainSettings:
 PRECISIONS = ("auto", "bf16", "fp32")
 # Settings added after models were trained and recorded, with the value every earlier run had.
 ADDED_SETTINGS = {"coordinates": False, "grounding_weight": 0.0, "relation_weight": 0.0, "attention_loss_from": 0,
-                  "zero_terminal_snr": False}
+                  "zero_terminal_snr": False, "swap_fraction": 0.0, "swap_from": 600, "place_embeddings": False}
 
 
 def recorded_settings(recorded: dict) -> dict:
@@ -199,6 +210,7 @@ class Batch(NamedTuple):
     timesteps: torch.Tensor
     captions: list[str]  # "" where dropped for guidance
     masks: torch.Tensor  # (n, 2, H, W) float: each object's mask, zeros where the image has no second object
+    noised_from: torch.Tensor  # (n, 3, H, W): the image the noise is added to (pixels, or a pair swapped)
 
 
 def batch_at(step: int, settings: TrainSettings, captions: CaptionStates, process: int = 0, processes: int = 1) -> Batch:
@@ -218,7 +230,15 @@ def batch_at(step: int, settings: TrainSettings, captions: CaptionStates, proces
     share = slice(process * per_process, (process + 1) * per_process)
     noise = torch.randn((settings.batch_size, *pixels.shape[1:]), generator=generator)[share]
     timesteps = torch.randint(0, SCHEDULER_CONFIG["num_train_timesteps"], (settings.batch_size,), generator=generator)[share]
-    return Batch(pixels, captions.lookup(texts, settings.conditioning), noise, timesteps, texts, masks)
+    noised_from = pixels
+    if settings.swap_fraction:
+        noised_from = pixels.clone()
+        for i, (index, sample) in enumerate(zip(range(first, first + per_process), samples)):
+            if len(sample.masks) == 2 and timesteps[i] >= settings.swap_from and \
+                    random.Random(f"swap:{settings.seed}:{index}").random() < settings.swap_fraction:  # fmt: skip
+                swapped = sample_at(settings.seed, index, settings.image_size, settings.pair_fraction, swapped=True)
+                noised_from[i] = torch.from_numpy(to_model(swapped.image))
+    return Batch(pixels, captions.lookup(texts, settings.conditioning), noise, timesteps, texts, masks, noised_from)
 
 
 def hash_seed(*parts) -> int:
@@ -317,6 +337,17 @@ def weighted_loss(prediction, pixels, noise, timesteps, noise_scheduler, setting
         snr = compute_snr(noise_scheduler, timesteps)
         loss = loss * (torch.clamp(snr, max=settings.snr_gamma) + settings.x0_weight_floor) / (snr + v_prediction)
     return loss.mean()
+
+
+def noised_from_swapped(pixels, noised_from, noise, timesteps, noise_scheduler) -> tuple[torch.Tensor, torch.Tensor]:
+    """(noisy images, the noise that takes each true image to its noisy one): the images noised from
+    `noised_from`, and for the loss the noise that, added to `pixels`, gives that same noisy image
+    (so the model is asked for the true image). Where the two agree, both are exactly add_noise's."""
+    noisy = noise_scheduler.add_noise(noised_from, noise, timesteps)
+    signal = noise_scheduler.alphas_cumprod.to(pixels.device)[timesteps].view(-1, 1, 1, 1)
+    implied = (noisy - signal.sqrt() * pixels) / (1 - signal).sqrt()
+    differs = (noised_from != pixels).flatten(1).any(1).view(-1, 1, 1, 1)
+    return noisy, torch.where(differs, implied, noise)
 
 
 # --- losses on the attention (departures from SD's recipe; off by default) ---------------------------
@@ -496,6 +527,8 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
     captions.max_length = settings.context_length
     noise_scheduler = DDPMScheduler.from_config(scheduler_config(settings))
     unet = build_unet(config, weights="random", seed=settings.seed).train()
+    if settings.place_embeddings:
+        add_place_embeddings(unet, settings.image_size)
     if device.type == "cpu" and settings.precision == "bf16":
         # On the CPU, attention as bmm + softmax trains 1.6x faster in bfloat16 than the fused
         # scaled_dot_product_attention, whose bfloat16 backward is slow there (in float32 it is 15 % slower).
@@ -531,7 +564,10 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
             step_start = time.perf_counter()
             batch = batch_at(step, settings, captions, accelerator.process_index, accelerator.num_processes)
             pixels, states, noise, timesteps = (t.to(accelerator.device) for t in batch[:4])
-            noisy = noise_scheduler.add_noise(pixels, noise, timesteps)
+            if settings.swap_fraction:
+                noisy, noise = noised_from_swapped(pixels, batch.noised_from.to(device), noise, timesteps, noise_scheduler)
+            else:
+                noisy = noise_scheduler.add_noise(pixels, noise, timesteps)
             noisy = add_coordinates(noisy) if settings.coordinates else noisy
             with autocast:
                 prediction = model(noisy, timesteps, encoder_hidden_states=states).sample
@@ -582,7 +618,7 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
         torch.nn.utils.vector_to_parameters(ema.shadow_params[0].cpu(), final.parameters())
         spec = MiniSDSpec(text_encoder=Path(encoder.source).name, layer=encoder.layer, max_length=settings.context_length,
                           conditioning=settings.conditioning, image_size=settings.image_size,
-                          coordinates=settings.coordinates,
+                          coordinates=settings.coordinates, place_embeddings=settings.place_embeddings,
                           training={"settings": asdict(settings), "resumed_from_step": start,
                                     "seconds": round(seconds, 1), "samples_per_second": round(result.samples_per_second, 2),
                                     "processes": accelerator.num_processes, "device": str(accelerator.device),
