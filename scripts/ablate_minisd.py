@@ -43,6 +43,8 @@ objects and 64 pairs, DDIM 25 steps, guidance 4, with 95 % bootstrap intervals o
                         their place, as the layout probe's do (a departure from SD 1.x)
     place embeddings + swapped pairs   queries that know their place, and noise that cannot say
                         which object is where
+    penultimate layer   the text encoder's penultimate layer in place of its last (SD 2.x's choice; in
+                        MiniLM it carries binding and the relation better: the probe's layer rows)
 
 Each row writes its model under --out (with a checkpoint, so a killed run resumes) and its result
 into --json as soon as it is judged; a row already in --json with the same settings is not run
@@ -67,7 +69,7 @@ from sdkit.minisd.train import TrainSettings, recorded_settings, train
 from sdkit.presets import preset_config
 
 ALL_CROSS_ATTENTION = {"down_block_types": ["CrossAttnDownBlock2D"] * 3, "up_block_types": ["CrossAttnUpBlock2D"] * 3}
-# name -> (changes to TrainSettings, changes to the U-Net config, text encoder)
+# name -> (changes to TrainSettings, changes to the U-Net config, text encoder[, its layer: "last" if not named])
 ROWS = {
     "baseline": ({}, {}, "all-MiniLM-L6-v2"),
     "6000 steps": ({"steps": 6000}, {}, "all-MiniLM-L6-v2"),  # in place of --steps
@@ -91,14 +93,15 @@ ROWS = {
     "place embeddings": ({"place_embeddings": True}, {}, "all-MiniLM-L6-v2"),
     "place embeddings + swapped pairs": ({"place_embeddings": True, "swap_fraction": 0.5, "swap_from": 600}, {},
                                          "all-MiniLM-L6-v2"),
+    "penultimate layer": ({}, {}, "all-MiniLM-L6-v2", "penultimate"),
 }
 SETS = ("singles", "pairs")
 
 
-def row_settings(name: str, steps: int) -> tuple[TrainSettings, dict, str]:
-    changes, config_changes, encoder = ROWS[name]
+def row_settings(name: str, steps: int) -> tuple[TrainSettings, dict, str, str]:
+    changes, config_changes, encoder, *layer = ROWS[name]
     settings = replace(TrainSettings(steps=steps), **changes)
-    return settings, {**preset_config("minisd"), **config_changes}, encoder
+    return settings, {**preset_config("minisd"), **config_changes}, encoder, layer[0] if layer else "last"
 
 
 def main() -> int:
@@ -118,15 +121,17 @@ def main() -> int:
     results_path = Path(args.json)
     results = json.loads(results_path.read_text()) if results_path.is_file() else {"rows": {}}
     for name in rows:
-        settings, config, encoder_name = row_settings(name, args.steps)
-        record = {"settings": asdict(settings), "unet": config, "text_encoder": encoder_name, "count": args.count}
+        settings, config, encoder_name, layer = row_settings(name, args.steps)
+        record = {"settings": asdict(settings), "unet": config, "text_encoder": encoder_name, "count": args.count,
+                  "layer": layer}  # fmt: skip
         done = results["rows"].get(name)
-        if done and all(done.get(k) == v for k, v in record.items() if k != "settings") and \
+        # rows judged before the layer was a choice read the last one, and record none
+        if done and all(done.get(k, "last" if k == "layer" else None) == v for k, v in record.items() if k != "settings") and \
                 {**recorded_settings(done["settings"]), "precision": "auto"} == {**record["settings"], "precision": "auto"}:  # fmt: skip
             print(f"{name}: already judged, kept", flush=True)
             continue
         print(f"{name}: training {settings.steps} steps", flush=True)
-        encoder = load_text_encoder(Path(args.encoders_dir) / encoder_name)
+        encoder = load_text_encoder(Path(args.encoders_dir) / encoder_name, layer=layer)
         folder = Path(args.out) / name.replace(" ", "-").replace("%", "pct")
         trained = train(folder / "model", encoder, settings, config, checkpoint_dir=folder / "checkpoints",
                         checkpoint_every=200, cache_dir="weights/cache")  # fmt: skip

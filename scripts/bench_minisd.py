@@ -3,8 +3,8 @@
 Both loops train the minisd preset on the same batches (the generator's images and captions, the
 same noise and timesteps). The plain loop is what a first training script does: float32, eager,
 forward, MSE, backward, AdamW step and nothing else. Ours is `sdkit.minisd.train.train` with its
-defaults (bfloat16 autocast where the device computes it natively, bmm attention on the CPU, each
-Transformer2D block compiled, the parameters in one flat tensor for fused AdamW, clipping and EMA,
+defaults (bfloat16 autocast where it is faster than float32: on a CPU, only with AMX; bmm attention
+on the CPU, each Transformer2D block compiled, the parameters in one flat tensor for fused AdamW, clipping and EMA,
 freed memory kept for reuse), with everything a real run does besides (Min-SNR weighting, gradient
 clipping, EMA, logging). Each loop runs in a fresh process of its own, as a user's script would, so
 neither inherits the other's compiled code or allocator state. Samples/s are steady-state rates,
@@ -64,12 +64,12 @@ def plain_loop(encoder_path: str, steps: int) -> float:
     return steps * settings.batch_size / (time.perf_counter() - began)
 
 
-def our_loop(encoder_path: str, steps: int, out: str) -> tuple[float, float]:
-    """(steady samples per second, seconds to the end of warm-up) of sdkit's own loop."""
+def our_loop(encoder_path: str, steps: int, out: str) -> tuple[float, float, str]:
+    """(steady samples per second, seconds to the end of warm-up, the precision "auto" chose) of sdkit's own loop."""
     settings = TrainSettings(steps=WARMUP + steps)
     result = train(out, load_text_encoder(encoder_path), settings, cache_dir="weights/cache", progress=False)
     at = {h["step"]: h["seconds"] for h in result.history}  # a history entry every 25 steps
-    return steps * settings.batch_size / (at[settings.steps] - at[WARMUP]), at[WARMUP]
+    return steps * settings.batch_size / (at[settings.steps] - at[WARMUP]), at[WARMUP], result.settings["precision"]
 
 
 def in_a_fresh_process(function, *args):
@@ -90,17 +90,18 @@ def main() -> None:
         for r in range(args.rounds):
             plain.append(in_a_fresh_process(plain_loop, args.encoder, args.steps))
             bar.update(1)
-            rate, warmup = in_a_fresh_process(our_loop, args.encoder, args.steps, f"{tmp}/run{r}")
+            rate, warmup, precision = in_a_fresh_process(our_loop, args.encoder, args.steps, f"{tmp}/run{r}")
             ours.append(rate)
             warmups.append(warmup)
             bar.update(1)
         pipe = MiniSDPipeline.from_pretrained(f"{tmp}/run0", text_encoder=args.encoder)
     ours_s, plain_s = statistics.median(ours), statistics.median(plain)
     settings = TrainSettings()
+    amx = "with" if torch.cpu._is_amx_tile_supported() else "without"
     print(f"\ntraining, batch {settings.batch_size}, {args.steps} timed steps x {args.rounds} rounds (median), "
-          f"{os.cpu_count()} CPU cores, torch {torch.__version__}:")
-    print(f"  sdkit minisd train: {ours_s:7.1f} samples/s  (defaults: precision auto, compile; Min-SNR, EMA, "
-          f"clipping, logging; first 25 steps incl. compilation: {statistics.median(warmups):.0f} s)")
+          f"{os.cpu_count()} CPU cores {amx} AMX, torch {torch.__version__}:")
+    print(f"  sdkit minisd train: {ours_s:7.1f} samples/s  (defaults: precision auto = {precision}, compile; Min-SNR, "
+          f"EMA, clipping, logging; first 25 steps incl. compilation: {statistics.median(warmups):.0f} s)")
     print(f"  plain eager loop:   {plain_s:7.1f} samples/s  (float32, eager, MSE, AdamW)")
     print(f"  ratio ours / plain: {ours_s / plain_s:.2f}")
     prompts = ["a red circle at the top left"] * 16

@@ -3,8 +3,9 @@
     python scripts/composition.py [--model weights/minisd] [--count 64] [--skip probe,leakage,order,steering,picture]
 
 Writes to MODEL/findings/ and prints each table:
-  probe.json                   linear probes of the token states (all-MiniLM-L6-v2 and all-mpnet-base-v2):
-                               is binding and left/right in the text the U-Net reads? And the layout
+  probe.json                   linear probes of the token states (all-MiniLM-L6-v2 and all-mpnet-base-v2,
+                               last and penultimate layers): is binding and left/right in the text the
+                               U-Net reads? And the layout
                                probe: one cross-attention from two place queries reading both sides
   leakage.json, leakage.png    attention leakage per layer and timestep, generator pair images and the
                                model's own, split by the judge's verdict
@@ -42,7 +43,8 @@ MAP_TIMESTEP = 300  # the maps drawn in composition.png: the final image noised 
 def probe(encoders: Path, out: Path) -> None:
     from sdkit.minisd.probe import format_probe, run_probe
 
-    reports = [run_probe(load_text_encoder(str(encoders / name))) for name in ("all-MiniLM-L6-v2", "all-mpnet-base-v2")]
+    reports = [run_probe(load_text_encoder(str(encoders / name), layer=layer))
+               for name in ("all-MiniLM-L6-v2", "all-mpnet-base-v2") for layer in ("last", "penultimate")]
     print(format_probe(reports), flush=True)
     write_json(out / "probe.json", {"reports": [r.to_json() for r in reports]})
 

@@ -69,9 +69,9 @@ def probe_table() -> str:
     rows = []
     for report in load("probe")["reports"]:
         for e in report["rows"]:
-            rows.append([Path(report["encoder"]).name, QUESTIONS[(e["word"], e["target"])], f"**{pct(e['contextual'])}**",
-                         pct(e["input embedding"]), pct(e["chance"]), e["test"]])  # fmt: skip
-    return markdown(["encoder", "what the probe reads", "token states", "input embeddings", "chance", "n"], rows, 2)
+            rows.append([Path(report["encoder"]).name, report["layer"], QUESTIONS[(e["word"], e["target"])],
+                         f"**{pct(e['contextual'])}**", pct(e["input embedding"]), pct(e["chance"]), e["test"]])  # fmt: skip
+    return markdown(["encoder", "layer", "what the probe reads", "token states", "input embeddings", "chance", "n"], rows, 3)
 
 
 def leakage_table() -> str:

@@ -1,7 +1,8 @@
 """Text encoders and tokenizers from local folders (transformers), per-token states, token roles.
 
 SD 1.x reads CLIP ViT-L/14's last hidden state; SD 2.x reads OpenCLIP ViT-H/14's penultimate
-layer passed through the final layer norm. `layer` names that choice: "last" or "penultimate".
+layer passed through the final layer norm. `layer` names that choice: "last" or "penultimate" (for
+a BERT-style encoder, whose layers each end in a norm, the penultimate layer's states as they are).
 diffusers' SD 2.x folders store the tower already cut to 23 of 24 layers: "last" is right there.
 """
 
@@ -20,6 +21,8 @@ import torch.nn.functional as F
 from .common import SdkitError
 
 LAYERS = ("last", "penultimate")
+# Encoders whose every layer ends in a layer norm, so any layer's states are read as they are.
+POST_NORM_ENCODERS = ("bert", "mpnet", "roberta", "xlm-roberta", "distilbert", "electra")
 
 
 @dataclass
@@ -79,10 +82,15 @@ class TextEncoder:
         if self.layer == "last":
             states = out.last_hidden_state
         else:
+            states = out.hidden_states[-2]
+            # CLIP (pre-norm) normalises only its last layer's output, and SD 2.x passes the penultimate
+            # layer through that final norm; a BERT-style encoder (post-norm) ends every layer with one.
             final_norm = getattr(getattr(self.model, "text_model", self.model), "final_layer_norm", None)
-            if final_norm is None:
-                raise SdkitError(f"{self.source}: layer 'penultimate' needs a CLIP-style final_layer_norm")
-            states = final_norm(out.hidden_states[-2])
+            if final_norm is not None:
+                states = final_norm(states)
+            elif self.model.config.model_type not in POST_NORM_ENCODERS:
+                raise SdkitError(f"{self.source}: layer 'penultimate' needs a CLIP-style final_layer_norm or a "
+                                 f"post-norm encoder ({', '.join(POST_NORM_ENCODERS)}), not {self.model.config.model_type}")  # fmt: skip
         if not self.pads_with_states:
             states = states * tokens["attention_mask"].to(device, states.dtype).unsqueeze(-1)
             states = F.pad(states, (0, 0, 0, self.max_length - states.shape[1]))

@@ -1,4 +1,5 @@
 import json
+import math
 import random
 from dataclasses import replace
 from pathlib import Path
@@ -185,8 +186,9 @@ def test_every_ablation_row_is_selectable_and_changes_one_thing():
     ablate = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ablate)
     assert ",".join(ablate.ROWS).split(",") == list(ablate.ROWS)  # --rows is comma-separated
-    baseline, config, _ = ablate.row_settings("baseline", 1600)
-    assert baseline == TrainSettings(steps=1600)
+    baseline, config, encoder, layer = ablate.row_settings("baseline", 1600)
+    assert baseline == TrainSettings(steps=1600) and (encoder, layer) == ("all-MiniLM-L6-v2", "last")
+    assert ablate.row_settings("penultimate layer", 1600) == (baseline, config, encoder, "penultimate")
     assert ablate.row_settings("6000 steps", 1600)[0] == TrainSettings(steps=6000) == TrainSettings()
     assert ablate.row_settings("pairs 75 %", 1600)[0] == TrainSettings(steps=1600, pair_fraction=0.75)
     assert ablate.row_settings("mpnet encoder", 1600)[1] == {**config, "cross_attention_dim": 768}
@@ -195,6 +197,26 @@ def test_every_ablation_row_is_selectable_and_changes_one_thing():
     assert ablate.row_settings("zero terminal SNR 6000 steps", 1600)[0] == TrainSettings(zero_terminal_snr=True)
     assert ablate.row_settings("place embeddings + swapped pairs", 1600)[0] == TrainSettings(
         steps=1600, place_embeddings=True, swap_fraction=0.5, swap_from=600)
+
+
+def test_a_bert_encoders_penultimate_layer_is_its_second_last_hidden_state(bert, tmp_path):
+    # SD 2.x's choice: CLIP needs its final norm applied; a BERT layer ends in its own norm already
+    from sdkit.encoders import load_text_encoder
+
+    penultimate = load_text_encoder(bert.source, layer="penultimate", context_length=24)
+    prompts = ["a red circle at the top left", "a blue square to the left of a green triangle"]
+    tokens = bert.tokenize(prompts, padding="longest")
+    with torch.no_grad():
+        hidden = bert.model(tokens["input_ids"], attention_mask=tokens["attention_mask"], output_hidden_states=True).hidden_states
+    states = penultimate.encode(prompts)
+    length = tokens["input_ids"].shape[1]
+    assert states.shape == (2, 24, bert.width) and not states[:, length:].any()
+    torch.testing.assert_close(states[:, :length], hidden[-2] * tokens["attention_mask"][..., None], rtol=0, atol=0)
+    assert not torch.equal(states, load_text_encoder(bert.source, context_length=24).encode(prompts))
+    # a model trained on it records the layer, and its pipeline reads the same one back
+    train(tmp_path / "model", penultimate, _settings(), micro_config(bert.width), cache_dir=None, progress=False)
+    pipe = MiniSDPipeline.from_pretrained(tmp_path / "model", text_encoder=bert.source)
+    assert pipe.spec.layer == "penultimate" and torch.equal(pipe.encode(prompts), states)
 
 
 def test_pooled_states_are_one_token():
@@ -235,6 +257,28 @@ def test_training_saves_resumes_and_reloads_bit_exactly(bert, tmp_path, precisio
     # A checkpoint of another run is refused, not silently continued.
     with pytest.raises(SdkitError, match="belongs to another run"):
         train(tmp_path / "other", bert, settings(lr=5e-4), config, tmp_path / "ck-whole", 1, tmp_path / "cache", False)
+
+
+@pytest.mark.parametrize("amx,avx512_bf16,resolved", [(True, True, "bf16"), (False, True, "fp32"), (False, False, "fp32")])
+def test_auto_precision_is_bfloat16_only_where_the_cpu_has_amx(monkeypatch, amx, avx512_bf16, resolved):
+    # AVX512-BF16 without AMX computes bfloat16 slower than float32 (a step 1.2 s against 1.06 s)
+    from sdkit.minisd.train import resolve_precision
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    assert resolve_precision("auto", torch.device("cpu")) == resolved
+    assert resolve_precision("fp32", torch.device("cpu")) == "fp32" and resolve_precision("bf16", torch.device("cpu")) == "bf16"
+
+
+@pytest.mark.slow  # compiles two levels' blocks: about a minute
+def test_float32_training_compiles_blocks_of_two_shapes(bert, tmp_path):
+    # Blocks of two shapes share one forward: compiled symbolically, inductor (torch 2.13) failed
+    # on float32 attention at the second shape, so every run on a CPU without AMX crashed.
+    config = {**micro_config(bert.width), "block_out_channels": [16, 32, 32],
+              "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+              "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"]}  # fmt: skip
+    result = train(tmp_path / "model", bert, _settings(precision="fp32", compile=True), config, cache_dir=None, progress=False)
+    assert result.settings["precision"] == "fp32" and math.isfinite(result.history[-1]["loss"])
 
 
 @pytest.fixture(scope="module")
@@ -353,13 +397,15 @@ def test_the_shipped_model_is_a_minisd_preset_u_net(cli):
     assert size <= 30 * 2**20
 
 
-@pytest.mark.slow  # torch.compile of every block of the mini SD: a minute; CI runs it with -m slow
-def test_compiled_blocks_give_every_gradient_eager_gives():
+@pytest.mark.slow  # torch.compile of every block of the mini SD: a minute each; CI runs it with -m slow
+@pytest.mark.parametrize("precision", [torch.bfloat16, torch.float32])
+def test_compiled_blocks_give_every_gradient_eager_gives(precision):
     # Compiled whole under bfloat16 autocast, the U-Net got wrong gradients (inductor, torch 2.13,
     # CPU; see compile_blocks): training ran, the loss fell, the model never drew what it was
     # asked. A micro U-Net's gradients were right where the mini SD's were not, so this is the
     # mini SD, its parameters flattened as training flattens them. The grounding loss is in: its
-    # weights are kept from inside the compiled blocks.
+    # weights are kept from inside the compiled blocks. Both precisions: float32 is what a CPU
+    # without AMX trains in.
     import copy
 
     import torch.nn.functional as F
@@ -379,17 +425,19 @@ def test_compiled_blocks_give_every_gradient_eager_gives():
     states, t = torch.randn(4, 24, 384, generator=generator), torch.tensor([10, 300, 600, 990])
     tokens, masks = torch.zeros(4, 2, 24), torch.zeros(4, 2, 32, 32)
     tokens[:, 0, 1:3], tokens[:2, 1, 4], masks[:, 0, :, :12], masks[:2, 1, 8:20, 20:] = 1, 1, 1, 1
-    for unet, precision in ((reference, torch.float32), (eager, torch.bfloat16), (compiled, torch.bfloat16)):
+    for unet, dtype in ((reference, torch.float32), (eager, precision), (compiled, precision)):
         for _ in range(2):  # the second pass runs the compiled code as training's later steps do
             unet.zero_grad(set_to_none=unet is not compiled)  # the flattened one's gradients are views: in place
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == torch.bfloat16):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
                 out = unet(x, t, encoder_hidden_states=states).sample
             (F.mse_loss(out.float(), noise) + grounding_loss(maps[id(unet)], tokens, masks)).backward()
     for (name, r), e, c in zip(reference.named_parameters(), eager.parameters(), compiled.parameters()):
         assert c.grad is not None and c.grad.norm() > 0, name
         eager_error, compiled_error = (float((g.grad - r.grad).norm() / r.grad.norm()) for g in (e, c))
-        # bfloat16 rounds either way; compiled must not be further from float32 than eager is
-        assert compiled_error <= 2 * eager_error + 0.02, (name, compiled_error, eager_error)
+        # bfloat16 rounds either way; compiled must not be further from float32 than eager is. In
+        # float32 eager is the reference, and compiled kernels only sum in another order (up to 3e-6).
+        allowed = 2 * eager_error + 0.02 if precision == torch.bfloat16 else 1e-4
+        assert compiled_error <= allowed, (name, compiled_error, eager_error)
 
 
 def test_flat_parameters_train_as_the_parameters_one_by_one():

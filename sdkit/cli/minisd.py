@@ -7,7 +7,7 @@ import os
 from dataclasses import asdict
 
 from ..common import SdkitError
-from .common import (CACHE_DEFAULT, CACHE_HELP, MODEL_MARKER, Parser, add_json, add_subcommand, cache_folder, check_input, check_outputs, nonnegative_float, nonnegative_int,
+from .common import (CACHE_DEFAULT, CACHE_HELP, LAYERS, MODEL_MARKER, Parser, add_json, add_subcommand, cache_folder, check_input, check_outputs, nonnegative_float, nonnegative_int,
                      phase, positive_float, positive_int, progress_bar, refuse_options, seed, show_result,
                      steering_objectives)  # fmt: skip
 
@@ -48,7 +48,7 @@ def cmd_minisd_train(args) -> None:
     settings.check()
     folder = args.text_encoder or os.path.join(args.encoders_dir, "all-MiniLM-L6-v2")
     check_input(folder, "the text encoder; python scripts/get_real_encoders.py puts it in weights/encoders")
-    encoder = load_text_encoder(folder, allow_pickle=args.allow_pickle)
+    encoder = load_text_encoder(folder, layer=args.layer, allow_pickle=args.allow_pickle)
     result = train(args.out, encoder, settings, checkpoint_dir=args.checkpoints, checkpoint_every=args.checkpoint_every,
                    cache_dir=args.cache, progress=not args.json)  # fmt: skip
     last = result.history[-1]["loss"] if result.history else float("nan")
@@ -174,7 +174,7 @@ def register(sub) -> None:
         encoder_options(q)
         add_json(q)
 
-    q = add_subcommand(minisd_sub, "train", "train a mini SD (the shipped recipe: ~50 min on 2 CPU cores)")
+    q = add_subcommand(minisd_sub, "train", "train a mini SD (the shipped recipe: 40-95 min on 2 CPU cores)")
     q.add_argument("--out", default="out/minisd",
                    help="save the model folder here: a new or empty folder, or a mini SD folder, whose model is "
                         "replaced (other files in it are kept); the shipped model is weights/minisd")  # fmt: skip
@@ -205,8 +205,11 @@ def register(sub) -> None:
                         "default 0: off)")  # fmt: skip
     q.add_argument("--swap-from", type=nonnegative_int, default=600, metavar="T",
                    help="... only at timesteps T or more (of 1000; default 600)")
+    q.add_argument("--layer", choices=LAYERS, default="last",
+                   help="text-encoder layer the U-Net reads: last (SD 1.x) or penultimate (SD 2.x's choice)")
     q.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
-                   help="bf16: bfloat16 autocast on float32 weights; auto: bf16 where the device computes it natively")
+                   help="bf16: bfloat16 autocast on float32 weights; auto: bf16 where it is faster than float32 (a GPU "
+                        "that has it, a CPU with AMX), else fp32")  # fmt: skip
     q.add_argument("--no-compile", action="store_true", help="skip torch.compile (saves its ~1-2 min start; trains slower)")
     q.add_argument("--checkpoints", metavar="DIR", help="write (and resume from) a checkpoint here")
     q.add_argument("--checkpoint-every", type=positive_int, default=200, help="steps between checkpoints")

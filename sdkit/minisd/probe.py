@@ -239,11 +239,11 @@ def format_probe(reports: list[ProbeReport]) -> str:
     rows = []
     for r in reports:
         for e in r.rows:
-            rows.append([r.encoder.rstrip("/").split("/")[-1], QUESTIONS[(e["word"], e["target"])],
+            rows.append([r.encoder.rstrip("/").split("/")[-1], r.layer, QUESTIONS[(e["word"], e["target"])],
                          f"{100 * e['contextual']:.1f} %", f"{100 * e['input embedding']:.1f} %",
                          f"{100 * e['chance']:.1f} %", e["test"]])  # fmt: skip
     first = reports[0]
     title = (f"Linear probes of the token states for pair captions: read off one object's word, tested on "
              f"{first.test_pairs} object pairs\nnever seen in training ({first.train_pairs} pairs train)")
-    return format_table(["encoder", "what the probe reads", "states", "input embedding", "chance", "n"], rows,
+    return format_table(["encoder", "layer", "what the probe reads", "states", "input embedding", "chance", "n"], rows,
                         title=title)  # fmt: skip

@@ -134,9 +134,11 @@ def resolve_precision(precision: str, device: torch.device) -> str:
         return precision
     if device.type == "cuda":
         return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
-    if device.type == "cpu":  # AMX or AVX512-BF16; elsewhere bfloat16 is emulated, slower than float32
-        checks = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
-        return "bf16" if any(getattr(torch.cpu, check, lambda: False)() for check in checks) else "fp32"
+    if device.type == "cpu":
+        # Only AMX computes bfloat16 faster than float32 here. With AVX512-BF16 alone (a Xeon whose
+        # hypervisor hides AMX, measured on 2 cores): matmuls 143 against 249 GFLOP/s, convolutions
+        # 152 against 247, a step of the mini SD about 1.2 s against 1.1 s; without either it is emulated.
+        return "bf16" if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)() else "fp32"
     return "fp32"
 
 
@@ -305,12 +307,18 @@ def compile_blocks(unet) -> None:
     got gradients as far from float32's as a guess: that run went 7 % faster, its loss fell, and at
     1,600 steps it drew nothing it was asked (0 % of single objects). Block by block the gradients
     are eager's and the speed nearly the same: a test holds every one against eager's on the mini SD
-    itself (a micro U-Net's whole-compiled gradients were right where the mini SD's were not)."""
+    itself (a micro U-Net's whole-compiled gradients were right where the mini SD's were not).
+
+    Each block is compiled for its own shapes (dynamic=False): the blocks share one forward, so
+    dynamo would otherwise make the second level's shapes symbolic, and inductor then fails to
+    lower float32 scaled_dot_product_attention ("cannot determine truth value of Relational"), where
+    bfloat16 training had hidden it by using bmm attention. Static, blocks of one shape share one
+    compiled graph (two for the mini SD: 16x16 and 8x8)."""
     from diffusers.models.transformers.transformer_2d import Transformer2DModel
 
     for module in unet.modules():
         if isinstance(module, Transformer2DModel):
-            module.compile()
+            module.compile(dynamic=False)
 
 
 def scheduler_config(settings: TrainSettings) -> dict:
@@ -529,9 +537,12 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
     unet = build_unet(config, weights="random", seed=settings.seed).train()
     if settings.place_embeddings:
         add_place_embeddings(unet, settings.image_size)
-    if device.type == "cpu" and settings.precision == "bf16":
+    if device.type == "cpu":
         # On the CPU, attention as bmm + softmax trains 1.6x faster in bfloat16 than the fused
-        # scaled_dot_product_attention, whose bfloat16 backward is slow there (in float32 it is 15 % slower).
+        # scaled_dot_product_attention, whose bfloat16 backward is slow there. In float32 the two
+        # train alike (2 cores without AMX, medians of 3 runs: eager 33.1 and 32.0 samples/s,
+        # compiled 32.9 and 33.0), so the CPU takes bmm in both: one attention path, the one whose
+        # compiled gradients a test holds to eager's and the one CrossAttentionMaps reads.
         unet.set_attn_processor(AttnProcessor())
     attention_weights = {name: weight for name, weight in (("grounding", settings.grounding_weight),
                                                            ("relation", settings.relation_weight)) if weight}  # fmt: skip
