@@ -1,6 +1,6 @@
 """Where the mini SD loses composition, and what steering wins back: the README's Composition section.
 
-    python scripts/composition.py [--model weights/minisd] [--count 64] [--skip probe,leakage,order,steering,picture]
+    python scripts/composition.py [--model weights/minisd] [--count 64] [--skip probe,leakage,order,noise,steering,picture]
 
 Writes to MODEL/findings/ and prints each table:
   probe.json                   linear probes of the token states (all-MiniLM-L6-v2 and all-mpnet-base-v2,
@@ -11,6 +11,8 @@ Writes to MODEL/findings/ and prints each table:
                                model's own, split by the judge's verdict
   order.json                   what the relation word does to the image each sampling step predicts:
                                each pair sampled with "left of" and with "right of" from one seed
+  caption_vs_noise.json        whose order the predicted image takes, the caption's or the noised
+                               image's: each pair noised as drawn and with its objects exchanged
   steering.json                each steering objective alone and combined, on the same prompts and
                                seeds as unsteered sampling (singles and pairs), with 95 % intervals;
                                the best of them also on the held-out pairs
@@ -69,6 +71,14 @@ def order(pipe, model: str, count: int, out: Path) -> None:
     result = relation_by_step(pipe, count, model_name=model)
     print(format_relation_steps([result]), flush=True)
     write_json(out / "order.json", result.to_json())
+
+
+def caption_vs_noise(pipe, model: str, count: int, out: Path) -> None:
+    from sdkit.minisd.trajectory import caption_against_noise, format_caption_against_noise
+
+    result = caption_against_noise(pipe, count, model_name=model)
+    print(format_caption_against_noise(result), flush=True)
+    write_json(out / "caption_vs_noise.json", result.to_json())
 
 
 def draw_leakage(on_generator, on_generated, path) -> None:
@@ -197,7 +207,7 @@ def main() -> int:
     parser.add_argument("--scale", type=float, default=40.0, help="steering scale")
     parser.add_argument("--steering-steps", type=int, default=15, help="steer the first this many of 25 steps")
     parser.add_argument("--out", default=None, help="where to write (default: MODEL/findings)")
-    parser.add_argument("--skip", default="", help="comma-separated parts to skip: probe,leakage,order,steering,picture")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: probe,leakage,order,noise,steering,picture")
     parser.add_argument("--encoders", default="weights/encoders", help="where the real encoders are")
     args = parser.parse_args()
     out = Path(args.out or Path(args.model) / "findings")
@@ -212,6 +222,8 @@ def main() -> int:
         leakage(pipe, args.model, args.count, out)
     if "order" not in skip:
         order(pipe, args.model, args.count, out)
+    if "noise" not in skip:
+        caption_vs_noise(pipe, args.model, args.count, out)
     if "steering" not in skip:
         result = steering(pipe, args.model, args.count, args.scale, args.steering_steps, out)
     if "picture" not in skip:

@@ -115,6 +115,16 @@ def order_table() -> str:
                     rows)  # fmt: skip
 
 
+def caption_vs_noise_table() -> str:
+    from sdkit.minisd.trajectory import SOURCES
+
+    data = load("caption_vs_noise")
+    rows = [[name, *(f"{pct(v)} {interval(i)}" for v, i in zip(data["shares"][name], data["intervals"][name]))]
+            for name in SOURCES]  # fmt: skip
+    return markdown([f"pairs ({data['pairs']}): the prediction in the caption's order", *(f"t = {t}" for t in data["timesteps"])],
+                    rows)  # fmt: skip
+
+
 def steering_table() -> str:
     def judged(pairs) -> list[str]:
         return [pct(pairs["colour"]), pct(pairs["shape"]), pct(pairs["extra"]), pct(pairs["position_if_bound"])]
@@ -267,7 +277,7 @@ def timings_table() -> str:
 
 
 TABLES = {"timings": timings_table, "compute": compute_table, "eval": eval_table, "ablation": ablation_table, "probe": probe_table, "leakage": leakage_table, "verdicts": verdict_table,
-          "order": order_table, "steering": steering_table, "tokens": tokens_table, "maps": maps_table, "adapter": adapter_table,
+          "order": order_table, "caption-vs-noise": caption_vs_noise_table, "steering": steering_table, "tokens": tokens_table, "maps": maps_table, "adapter": adapter_table,
           "memory": memory_table, "memory-real": memory_real_table,
           "memory-levels": memory_levels_table, "memory-context": memory_context_table}  # fmt: skip
 

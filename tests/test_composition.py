@@ -196,6 +196,62 @@ def test_order_moment_reads_which_colour_is_left():
     torch.testing.assert_close(order_moment(images, ["blue", "blue"], ["red", "red"]), -moment)
 
 
+class DenoisingPipe:
+    """Stands in for a model in caption_against_noise: its prediction implies the very image under the
+    noise (it knows the noise: the measurement's own generator), or the generator's image of the
+    caption it is given (the best denoiser of the training images, up to where in its row the pair
+    lies)."""
+
+    def __init__(self, reads_caption: bool):
+        from diffusers import DDPMScheduler
+
+        from sdkit.minisd.pipeline import SCHEDULER_CONFIG, MiniSDSpec
+
+        self.spec, self.scheduler_config = MiniSDSpec(image_size=32), SCHEDULER_CONFIG
+        self.captions: list[str] = []
+        self.unet = StandInUNet(self.captions, DDPMScheduler.from_config(SCHEDULER_CONFIG).alphas_cumprod, reads_caption)
+
+    def encode(self, prompts):  # the states name each prompt by its index
+        self.captions += [p for p in prompts if p not in self.captions]
+        return torch.tensor([float(self.captions.index(p)) for p in prompts]).view(-1, 1, 1)
+
+    def model_input(self, sample):
+        return sample
+
+
+class StandInUNet(torch.nn.Module):
+    def __init__(self, captions, alphas_cumprod, reads_caption):
+        super().__init__()
+        self.captions, self.alphas_cumprod, self.reads_caption = captions, alphas_cumprod, reads_caption
+        self.anchor = torch.nn.Parameter(torch.zeros(1))  # where the measurement reads device and dtype
+
+    def forward(self, sample, t, encoder_hidden_states):
+        from types import SimpleNamespace
+
+        from sdkit.minisd.data import parse_caption, render, to_model
+
+        noise = torch.randn(sample.shape, generator=torch.Generator().manual_seed(0))
+        if self.reads_caption:
+            alpha_bar = self.alphas_cumprod[t].view(-1, 1, 1, 1)
+            images = torch.stack([torch.from_numpy(to_model(render(parse_caption(self.captions[int(i)]), 32).image))
+                                  for i in encoder_hidden_states[:, 0, 0]])  # fmt: skip
+            noise = (sample - alpha_bar.sqrt() * images) / (1 - alpha_bar).sqrt()
+        return SimpleNamespace(sample=noise)
+
+
+def test_caption_against_noise_tells_a_model_that_reads_the_caption_from_one_that_copies_the_noise():
+    from sdkit.minisd.evaluate import prompt_set
+    from sdkit.minisd.trajectory import SOURCES, caption_against_noise
+
+    copies = caption_against_noise(DenoisingPipe(reads_caption=False), count=16, timesteps=(999, 500, 100))
+    assert copies.pairs == sum(s.objects[0].colour != s.objects[1].colour for s in prompt_set("pairs", 16))
+    assert copies.shares == {SOURCES[0]: [1.0] * 3, SOURCES[1]: [0.0] * 3} and copies.timesteps == [999, 500, 100]
+    assert copies.intervals[SOURCES[1]][0] == [0.0, 0.0]
+    reads = caption_against_noise(DenoisingPipe(reads_caption=True), count=16, timesteps=(999, 500, 100),
+                                  guidance_scale=1.0)  # fmt: skip
+    assert reads.shares == {SOURCES[0]: [1.0] * 3, SOURCES[1]: [1.0] * 3}
+
+
 class DrawingPipe:
     """Stands in for a model: at every step its prediction implies the generator's own image of the
     caption (epsilon 0 on a schedule without noise), or of the caption with "left of" always."""

@@ -103,14 +103,97 @@ def relation_by_step(pipe, count: int = 64, guidance_scale: float = 4.0, steps: 
     left, right = order["left of"], order["right of"]
     per_pair = {"in order": ((left < 0).float() + (right > 0).float()) / 2, "the word orders": (left < right).float(),
                 "the word moves colour": (colour["left of"] < colour["right of"]).float()}  # fmt: skip
-    draws = torch.from_numpy(np.random.default_rng(0).integers(0, len(scenes), (2000, len(scenes))))
-    shares, intervals = {}, {}
-    for name, table in per_pair.items():
-        means = table[draws].mean(1)  # (draws, steps)
-        shares[name] = table.mean(0).tolist()
-        intervals[name] = torch.stack([means.quantile(0.025, dim=0), means.quantile(0.975, dim=0)], 1).tolist()
+    shares, intervals = shares_with_intervals(per_pair)
     return RelationSteps(model_name, len(scenes), guidance_scale, timesteps, shares, intervals,
                          time.perf_counter() - start)  # fmt: skip
+
+
+def shares_with_intervals(per_pair: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+    """Per measure, a (pairs, columns) table of per-pair scores -> (the mean of each column, its 95 %
+    bootstrap interval over the pairs)."""
+    pairs = len(next(iter(per_pair.values())))
+    draws = torch.from_numpy(np.random.default_rng(0).integers(0, pairs, (2000, pairs)))
+    shares, intervals = {}, {}
+    for name, table in per_pair.items():
+        means = table[draws].mean(1)  # (draws, columns)
+        shares[name] = table.mean(0).tolist()
+        intervals[name] = torch.stack([means.quantile(0.025, dim=0), means.quantile(0.975, dim=0)], 1).tolist()
+    return shares, intervals
+
+
+SOURCES = ("noised from the pair", "noised from the exchanged pair")
+CONFLICT_TIMESTEPS = (999, 900, 800, 700, 600, 500, 300)
+
+
+@dataclass
+class CaptionAgainstNoise:
+    model: str
+    pairs: int
+    guidance_scale: float
+    timesteps: list[int]
+    shares: dict[str, list[float]]  # per source (SOURCES), per timestep: the prediction in the caption's order
+    intervals: dict[str, list[list[float]]]  # per source, per timestep: 95 % bootstrap interval over the pairs
+    seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@torch.no_grad()
+def caption_against_noise(pipe, count: int = 64, timesteps=CONFLICT_TIMESTEPS, guidance_scale: float = 4.0,
+                          seed: int = 0, model_name: str = "model") -> CaptionAgainstNoise:  # fmt: skip
+    """Does the model take a pair's order from its caption or from the image under the noise?
+
+    The evaluation's first `count` pair prompts with two colours, drawn by the generator (image i
+    with the evaluation's jitter, random.Random(i)), and the same pairs with their two objects
+    exchanged (each in the other's cell: the caption's order reversed). Each is noised to each
+    timestep with the same noise (torch.Generator seeded by `seed`), and the model, given the
+    caption and guidance as in sampling, predicts the clean image; the share of pairs whose
+    prediction has the caption's order (order_moment) is measured per timestep and source.
+    Every image a pair's caption describes has its order, so the best denoiser of the training
+    images predicts it from either source at every timestep; a model that copies the order it
+    sees under the noise follows the exchanged pair instead."""
+    import random
+
+    from diffusers import DDPMScheduler
+
+    from .data import render, swapped_objects, to_model
+    from .evaluate import prompt_set
+
+    start = time.perf_counter()
+    scenes = [s for s in prompt_set("pairs", count) if s.objects[0].colour != s.objects[1].colour]
+    first = [s.objects[0].colour for s in scenes]
+    second = [s.objects[1].colour for s in scenes]
+    asked = torch.tensor([-1.0 if s.relation == "left of" else 1.0 for s in scenes])  # the moment's sign the caption asks
+    side = pipe.spec.image_size
+    sources = {SOURCES[0]: [render(s, side, random.Random(i)).image for i, s in enumerate(scenes)],
+               SOURCES[1]: [render(swapped_objects(s), side, random.Random(i)).image for i, s in enumerate(scenes)]}
+    noise = torch.randn((len(scenes), 3, side, side), generator=torch.Generator().manual_seed(seed))
+    scheduler = DDPMScheduler.from_config(pipe.scheduler_config)
+    param = next(pipe.unet.parameters())
+    states = pipe.encode([s.caption for s in scenes]).to(param.device, param.dtype)
+    empty = pipe.encode([""]).to(param.device, param.dtype).expand(len(scenes), -1, -1)
+    per_pair = {name: torch.zeros(len(scenes), len(timesteps)) for name in SOURCES}
+    for name, images in sources.items():
+        clean = torch.from_numpy(np.stack([to_model(image) for image in images]))
+        for k, t in enumerate(timesteps):
+            t_batch = torch.full((len(scenes),), int(t))
+            noisy = scheduler.add_noise(clean, noise, t_batch).to(param.device, param.dtype)
+            model_input = pipe.model_input(noisy)
+            prediction = pipe.unet(model_input, t_batch.to(param.device), encoder_hidden_states=states).sample
+            if guidance_scale != 1.0:
+                uncond = pipe.unet(model_input, t_batch.to(param.device), encoder_hidden_states=empty).sample
+                prediction = uncond + guidance_scale * (prediction - uncond)
+            implied = predicted_clean(scheduler, noisy.float().cpu(), prediction.float().cpu(), t)
+            per_pair[name][:, k] = (order_moment(implied, first, second) * asked > 0).float()
+    shares, intervals = shares_with_intervals(per_pair)
+    return CaptionAgainstNoise(model_name, len(scenes), guidance_scale, [int(t) for t in timesteps], shares, intervals,
+                               time.perf_counter() - start)  # fmt: skip
+
+
+def format_caption_against_noise(result: CaptionAgainstNoise) -> str:
+    rows = [[name, *(f"{100 * v:.0f} %" for v in result.shares[name])] for name in SOURCES]
+    return format_table([f"{result.model}: the caption's order", *(f"t = {t}" for t in result.timesteps)], rows)
 
 
 def format_relation_steps(results: list[RelationSteps], every: int = 4) -> str:
