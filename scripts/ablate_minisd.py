@@ -94,6 +94,9 @@ ROWS = {
     "place embeddings + swapped pairs": ({"place_embeddings": True, "swap_fraction": 0.5, "swap_from": 600}, {},
                                          "all-MiniLM-L6-v2"),
     "penultimate layer": ({}, {}, "all-MiniLM-L6-v2", "penultimate"),
+    "zero terminal SNR + place embeddings + later timesteps x9 6000 steps": (
+        {"zero_terminal_snr": True, "place_embeddings": True, "timestep_bias": 9.0, "steps": 6000}, {},
+        "all-MiniLM-L6-v2"),
 }
 SETS = ("singles", "pairs")
 

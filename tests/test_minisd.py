@@ -148,7 +148,8 @@ def test_judge_counts_objects():
                                          ("lr", float("nan")), ("conditioning", "words"),
                                          ("grounding_weight", -1.0), ("relation_weight", float("inf")),
                                          ("attention_loss_from", 1000), ("swap_fraction", 1.5),
-                                         ("swap_from", -1)])  # fmt: skip
+                                         ("swap_from", -1), ("timestep_bias", 0.0), ("timestep_bias", -2.0),
+                                         ("timestep_bias_from", 1000)])  # fmt: skip
 def test_training_settings_refuse_what_cannot_be(field, value):
     TrainSettings().check()
     with pytest.raises(SdkitError, match=field.split("_")[0]):
@@ -161,10 +162,11 @@ def test_the_train_command_defaults_are_the_recipe():
 
     assert train_settings(build_parser().parse_args(["minisd", "train"])) == TrainSettings()
     options = ["--grounding-weight", "0.25", "--relation-weight", "0.5", "--attention-loss-from", "600",
-               "--zero-terminal-snr", "--swap-fraction", "0.5", "--swap-from", "700", "--place-embeddings"]  # fmt: skip
+               "--zero-terminal-snr", "--swap-fraction", "0.5", "--swap-from", "700", "--place-embeddings",
+               "--timestep-bias", "9", "--timestep-bias-from", "950"]  # fmt: skip
     assert train_settings(build_parser().parse_args(["minisd", "train", *options])) == TrainSettings(
         grounding_weight=0.25, relation_weight=0.5, attention_loss_from=600, zero_terminal_snr=True,
-        swap_fraction=0.5, swap_from=700, place_embeddings=True)
+        swap_fraction=0.5, swap_from=700, place_embeddings=True, timestep_bias=9.0, timestep_bias_from=950)
 
 
 @pytest.mark.skipif(not (SHIPPED / "minisd.json").is_file(), reason="no shipped mini SD in weights/minisd")
@@ -197,6 +199,8 @@ def test_every_ablation_row_is_selectable_and_changes_one_thing():
     assert ablate.row_settings("zero terminal SNR 6000 steps", 1600)[0] == TrainSettings(zero_terminal_snr=True)
     assert ablate.row_settings("place embeddings + swapped pairs", 1600)[0] == TrainSettings(
         steps=1600, place_embeddings=True, swap_fraction=0.5, swap_from=600)
+    assert ablate.row_settings("zero terminal SNR + place embeddings + later timesteps x9 6000 steps", 1600)[0] == \
+        TrainSettings(zero_terminal_snr=True, place_embeddings=True, timestep_bias=9.0)  # fmt: skip
 
 
 def test_a_bert_encoders_penultimate_layer_is_its_second_last_hidden_state(bert, tmp_path):
@@ -763,6 +767,24 @@ def test_swapped_pairs_are_noised_from_the_exchange_and_the_loss_asks_for_the_tr
     torch.testing.assert_close(scheduler.add_noise(batch.pixels, noise, batch.timesteps), noisy, atol=1e-5, rtol=0)
     # ... and is the drawn noise itself, to the bit, where nothing was swapped
     assert all(torch.equal(noise[i], batch.noise[i]) == (i not in pairs) for i in range(16))
+
+
+def test_the_timestep_bias_draws_the_later_timesteps_that_much_more_often():
+    from sdkit.minisd.train import draw_timesteps, hash_seed
+
+    def draws(settings, batches=200):
+        return torch.cat([draw_timesteps(settings, torch.Generator().manual_seed(hash_seed(0, step, 0)))
+                          for step in range(batches)])  # fmt: skip
+
+    uniform = TrainSettings(batch_size=32)
+    # no bias: the very draw every run made before there was one, so their recipes are unchanged
+    assert torch.equal(draw_timesteps(uniform, torch.Generator().manual_seed(7)),
+                       torch.randint(0, 1000, (32,), generator=torch.Generator().manual_seed(7)))  # fmt: skip
+    assert 0.07 < (draws(uniform) >= 900).float().mean() < 0.13
+    # x9 from 900: 100 timesteps weighing 900 against the other 900's 900, so half the draws
+    late = draws(replace(uniform, timestep_bias=9.0))
+    assert 0.45 < (late >= 900).float().mean() < 0.55 and late.min() >= 0 and late.max() <= 999
+    assert 0.04 < (draws(replace(uniform, timestep_bias=9.0, timestep_bias_from=990)) >= 990).float().mean() < 0.12
 
 
 def test_place_embeddings_give_queries_their_place_and_survive_saving(bert, tmp_path):

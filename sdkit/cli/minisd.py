@@ -34,7 +34,8 @@ def train_settings(args):
                          grounding_weight=args.grounding_weight, relation_weight=args.relation_weight,
                          attention_loss_from=args.attention_loss_from, zero_terminal_snr=args.zero_terminal_snr,
                          swap_fraction=args.swap_fraction, swap_from=args.swap_from,
-                         place_embeddings=args.place_embeddings,
+                         place_embeddings=args.place_embeddings, timestep_bias=args.timestep_bias,
+                         timestep_bias_from=args.timestep_bias_from,
                          precision=args.precision, compile=not args.no_compile)  # fmt: skip
 
 
@@ -205,6 +206,11 @@ def register(sub) -> None:
                         "default 0: off)")  # fmt: skip
     q.add_argument("--swap-from", type=nonnegative_int, default=600, metavar="T",
                    help="... only at timesteps T or more (of 1000; default 600)")
+    q.add_argument("--timestep-bias", type=positive_float, default=1.0, metavar="M",
+                   help="draw timesteps of T or more M times as often as the others (diffusers' 'later' timestep "
+                        "bias; default 1: uniform, SD's recipe)")  # fmt: skip
+    q.add_argument("--timestep-bias-from", type=nonnegative_int, default=900, metavar="T",
+                   help="... T, of 1000 (default 900)")
     q.add_argument("--layer", choices=LAYERS, default="last",
                    help="text-encoder layer the U-Net reads: last (SD 1.x) or penultimate (SD 2.x's choice)")
     q.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
