@@ -141,7 +141,7 @@ def main() -> int:
         pipe = MiniSDPipeline.from_pretrained(folder / "model", text_encoder=encoder.source)
         began = time.perf_counter()
         ev = evaluate(pipe, SETS, args.count, floors=False, model_name=name)
-        record.update(settings=trained.settings, train_seconds=trained.seconds, samples_per_second=trained.samples_per_second,
+        record.update(settings=trained.settings, train_seconds=trained.total_seconds, samples_per_second=trained.samples_per_second,
                       eval_seconds=time.perf_counter() - began,
                       results={s: ev.results["model"][s] for s in SETS}, intervals=ev.intervals)  # fmt: skip
         results["rows"][name] = record

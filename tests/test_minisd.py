@@ -250,6 +250,9 @@ def test_training_saves_resumes_and_reloads_bit_exactly(bert, tmp_path, precisio
     assert not (tmp_path / "cut").exists()  # nothing half-written
     resumed = train(tmp_path / "cut", bert, settings(), config, tmp_path / "ck-cut", 1, tmp_path / "cache", False)
     assert resumed.resumed_from == 1
+    # the run's time counts the first process's step too: the ablation's "trained" column is this
+    assert whole.total_seconds == whole.seconds and resumed.total_seconds > resumed.seconds > 0
+    assert resumed.total_seconds - resumed.seconds < resumed.history[-1]["seconds"] <= resumed.total_seconds
     a = load_file(tmp_path / "whole" / "unet" / "diffusion_pytorch_model.safetensors")
     b = load_file(tmp_path / "cut" / "unet" / "diffusion_pytorch_model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

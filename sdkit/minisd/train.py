@@ -497,9 +497,10 @@ class TrainResult:
     settings: dict  # as trained: "auto" precision resolved
     steps: int
     resumed_from: int
-    seconds: float
-    samples_per_second: float
+    seconds: float  # this process's training
+    samples_per_second: float  # this process's
     history: list[dict]
+    total_seconds: float  # the run's training, every process that resumed it counted
 
 
 def run_fingerprint(settings: TrainSettings, unet_config: dict, encoder: TextEncoder) -> str:
@@ -578,9 +579,9 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
                                   fused=device.type in ("cpu", "cuda"))  # fmt: skip
     fingerprint = run_fingerprint(settings, config, encoder)
     checkpoint = Path(checkpoint_dir) / CHECKPOINT if checkpoint_dir else None
-    start, history = 0, []
+    start, history, earlier = 0, [], 0.0
     if checkpoint and checkpoint.is_file():
-        start, history = load_checkpoint(checkpoint, unet, ema, optimizer, fingerprint)
+        start, history, earlier = load_checkpoint(checkpoint, unet, ema, optimizer, fingerprint)
     optimizer = accelerator.prepare(optimizer)
     if settings.compile:
         compile_blocks(unet)
@@ -628,22 +629,25 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
             window_loss, window_steps = window_loss + loss.item(), window_steps + 1
             done = step + 1
             if done % 25 == 0 or done == settings.steps:
-                # seconds: since this process began training (a resumed run counts from its own start)
+                # seconds: the run's training so far, the processes it was resumed from counted (up to
+                # their last checkpoint: the steps a stopped process did after it were done again)
                 # loss: the denoising loss alone; grounding and relation, when on: each its own, unweighted
                 history.append({"step": done, "loss": window_loss / window_steps,
                                 **{name: value / window_steps for name, value in window_extra.items()},
-                                "seconds": round(time.perf_counter() - began, 3)})  # fmt: skip
+                                "seconds": round(earlier + time.perf_counter() - began, 3)})  # fmt: skip
                 window_loss, window_steps = 0.0, 0
                 window_extra = dict.fromkeys(window_extra, 0.0)
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.4f}", samples_s=f"{settings.batch_size / (time.perf_counter() - step_start):.1f}")
             if checkpoint and accelerator.is_main_process and (done % checkpoint_every == 0 or done == settings.steps):
-                save_checkpoint(checkpoint, unet, ema, optimizer, done, history, fingerprint)
+                save_checkpoint(checkpoint, unet, ema, optimizer, done, history, fingerprint,
+                                earlier + time.perf_counter() - began)
             if stop_after is not None and done >= stop_after and done < settings.steps:
                 raise Interrupted(f"stopped after step {done}")
     seconds = time.perf_counter() - began
     result = TrainResult(str(out), asdict(settings), settings.steps, start, seconds,
-                         (settings.steps - start) * settings.batch_size / max(seconds, 1e-9), history)  # fmt: skip
+                         (settings.steps - start) * settings.batch_size / max(seconds, 1e-9), history,
+                         earlier + seconds)  # fmt: skip
     if accelerator.is_main_process:
         final = build_unet(config, weights="random", seed=settings.seed)
         torch.nn.utils.vector_to_parameters(ema.shadow_params[0].cpu(), final.parameters())
@@ -658,7 +662,8 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
     return result
 
 
-def save_checkpoint(path: Path, unet, ema, optimizer, step: int, history: list[dict], fingerprint: str) -> None:
+def save_checkpoint(path: Path, unet, ema, optimizer, step: int, history: list[dict], fingerprint: str,
+                    seconds: float) -> None:
     from safetensors.torch import save_file
 
     names, sizes = zip(*((n, p.numel()) for n, p in unet.named_parameters()))
@@ -670,12 +675,14 @@ def save_checkpoint(path: Path, unet, ema, optimizer, step: int, history: list[d
         for name, value in state.items():
             tensors[f"optimizer.{index}.{name}"] = torch.as_tensor(value).detach().cpu().contiguous()
     metadata = {"step": str(step), "ema_step": str(ema.optimization_step), "fingerprint": fingerprint,
-                "history": json.dumps(history), "param_groups": json.dumps(opt["param_groups"])}  # fmt: skip
+                "history": json.dumps(history), "param_groups": json.dumps(opt["param_groups"]),
+                "seconds": repr(seconds)}  # fmt: skip
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata=metadata)
 
 
-def load_checkpoint(path: Path, unet, ema, optimizer, fingerprint: str) -> tuple[int, list[dict]]:
+def load_checkpoint(path: Path, unet, ema, optimizer, fingerprint: str) -> tuple[int, list[dict], float]:
+    """(step, history, seconds of training so far) of the checkpoint, its state loaded into the rest."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -701,4 +708,7 @@ def load_checkpoint(path: Path, unet, ema, optimizer, fingerprint: str) -> tuple
             _, index, name = k.split(".", 2)
             state.setdefault(int(index), {})[name] = v
     optimizer.load_state_dict({"state": state, "param_groups": json.loads(metadata["param_groups"])})
-    return int(metadata["step"]), json.loads(metadata["history"])
+    history = json.loads(metadata["history"])
+    # checkpoints written before they kept their seconds: their process's time at its last record
+    seconds = float(metadata.get("seconds", history[-1]["seconds"] if history else 0.0))
+    return int(metadata["step"]), history, seconds
