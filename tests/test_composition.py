@@ -212,17 +212,24 @@ class DenoisingPipe:
         self.unet = StandInUNet(self.captions, DDPMScheduler.from_config(SCHEDULER_CONFIG).alphas_cumprod, reads_caption)
 
     def encode(self, prompts):  # the states name each prompt by its index
+        self.unet.pairs = self.unet.pairs or len(prompts)  # the captions come first
         self.captions += [p for p in prompts if p not in self.captions]
         return torch.tensor([float(self.captions.index(p)) for p in prompts]).view(-1, 1, 1)
 
     def model_input(self, sample):
         return sample
 
+    def guided_prediction(self, *args):
+        from sdkit.minisd.pipeline import MiniSDPipeline
+
+        return MiniSDPipeline.guided_prediction(self, *args)
+
 
 class StandInUNet(torch.nn.Module):
     def __init__(self, captions, alphas_cumprod, reads_caption):
         super().__init__()
         self.captions, self.alphas_cumprod, self.reads_caption = captions, alphas_cumprod, reads_caption
+        self.pairs = 0
         self.anchor = torch.nn.Parameter(torch.zeros(1))  # where the measurement reads device and dtype
 
     def forward(self, sample, t, encoder_hidden_states):
@@ -230,7 +237,9 @@ class StandInUNet(torch.nn.Module):
 
         from sdkit.minisd.data import parse_caption, render, to_model
 
-        noise = torch.randn(sample.shape, generator=torch.Generator().manual_seed(0))
+        # the measurement's noise for each of its pairs, in each half of a guided batch
+        noise = torch.randn((self.pairs, *sample.shape[1:]), generator=torch.Generator().manual_seed(0))
+        noise = noise.repeat(len(sample) // self.pairs, 1, 1, 1)
         if self.reads_caption:
             alpha_bar = self.alphas_cumprod[t].view(-1, 1, 1, 1)
             images = torch.stack([torch.from_numpy(to_model(render(parse_caption(self.captions[int(i)]), 32).image))

@@ -307,6 +307,24 @@ class MiniSDPipeline:
             return torch.cat([torch.randn(1, channels, side, side, generator=g) for g in generator])
         return torch.randn(n, channels, side, side, generator=generator)
 
+    def guided_prediction(self, model_input, timestep, states, negative, guidance_scale: float) -> torch.Tensor:
+        """The U-Net's prediction for `model_input` (batch, C, H, W) under classifier-free guidance:
+        epsilon, or v where it was trained on v (the scheduler's config says). `negative` is one
+        state per image or one for all; a scale of 1 is the conditional prediction alone."""
+        if guidance_scale == 1.0:
+            return self.unet(model_input, timestep, encoder_hidden_states=states).sample
+        negative = negative.expand(len(states), *negative.shape[1:])
+        # One batch for both halves when they are the same length (as diffusers does); two calls
+        # otherwise, since padding either with extra tokens would change what the cells read.
+        if negative.shape[1] == states.shape[1]:
+            both = self.unet(torch.cat([model_input, model_input]), timestep,
+                             encoder_hidden_states=torch.cat([negative, states])).sample  # fmt: skip
+            uncond, prediction = both.chunk(2)
+        else:
+            uncond = self.unet(model_input, timestep, encoder_hidden_states=negative).sample
+            prediction = self.unet(model_input, timestep, encoder_hidden_states=states).sample
+        return uncond + guidance_scale * (prediction - uncond)
+
     @torch.no_grad()
     def _generate(self, states, negative, noise, guidance_scale, steps, sampler, steering=None, guides=None,
                   progress=None, on_step=None):  # fmt: skip
@@ -317,12 +335,7 @@ class MiniSDPipeline:
         scheduler.set_timesteps(steps)
         sample = noise.to(param.device, param.dtype) * scheduler.init_noise_sigma
         states = states.to(param.device, param.dtype)
-        negative = negative.to(param.device, param.dtype).expand(len(states), *negative.shape[1:])
-        guided = guidance_scale != 1.0
-        # One batch for both halves when they are the same length (as diffusers does); two calls
-        # otherwise, since padding either with extra tokens would change what the cells read.
-        together = guided and negative.shape[1] == states.shape[1]
-        context = torch.cat([negative, states]) if together else states
+        negative = negative.to(param.device, param.dtype)
         if steering is not None:
             from ..steering import Steerer
 
@@ -331,15 +344,8 @@ class MiniSDPipeline:
         for i, t in enumerate(scheduler.timesteps):
             if steering is not None:
                 sample = steerer.step(sample, t, states, guides, i, len(scheduler.timesteps))
-            model_input = self.model_input(scheduler.scale_model_input(torch.cat([sample, sample]) if together else sample, t))
-            # the model's prediction: epsilon, or v where it was trained on v (the scheduler's config says)
-            prediction = self.unet(model_input, t, encoder_hidden_states=context).sample
-            if together:
-                uncond, prediction = prediction.chunk(2)
-            elif guided:
-                uncond = self.unet(model_input, t, encoder_hidden_states=negative).sample
-            if guided:
-                prediction = uncond + guidance_scale * (prediction - uncond)
+            model_input = self.model_input(scheduler.scale_model_input(sample, t))
+            prediction = self.guided_prediction(model_input, t, states, negative, guidance_scale)
             if on_step is not None:
                 on_step(i, t, sample, prediction)
             sample = scheduler.step(prediction, t, sample).prev_sample

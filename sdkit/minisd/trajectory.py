@@ -71,16 +71,21 @@ def order_moment(images: torch.Tensor, first: list[str], second: list[str]) -> t
     return horizontal_moment(torch.einsum("nchw,nc->nhw", images.float(), direction))
 
 
+def two_colour_pairs(count: int) -> tuple[list, list[str], list[str]]:
+    """The evaluation's first `count` pair prompts, less those whose two objects share a colour
+    (their order cannot be read from colour): (scenes, first objects' colours, second's)."""
+    from .evaluate import prompt_set
+
+    scenes = [s for s in prompt_set("pairs", count) if s.objects[0].colour != s.objects[1].colour]
+    return scenes, [s.objects[0].colour for s in scenes], [s.objects[1].colour for s in scenes]
+
+
 def relation_by_step(pipe, count: int = 64, guidance_scale: float = 4.0, steps: int = 25, model_name: str = "model",
                      progress=None) -> RelationSteps:  # fmt: skip
     """The evaluation's first `count` pair prompts (those with two colours), each sampled with
     "left of" and with "right of" from seed i, read step by step (see the module's docstring)."""
-    from .evaluate import prompt_set
-
     start = time.perf_counter()
-    scenes = [s for s in prompt_set("pairs", count) if s.objects[0].colour != s.objects[1].colour]
-    first = [s.objects[0].colour for s in scenes]
-    second = [s.objects[1].colour for s in scenes]
+    scenes, first, second = two_colour_pairs(count)
     scheduler = pipe.scheduler()
     timesteps: list[int] = []
     order = {r: torch.zeros(len(scenes), steps) for r in RELATIONS}  # contrast moment
@@ -158,12 +163,9 @@ def caption_against_noise(pipe, count: int = 64, timesteps=CONFLICT_TIMESTEPS, g
     from diffusers import DDPMScheduler
 
     from .data import render, swapped_objects, to_model
-    from .evaluate import prompt_set
 
     start = time.perf_counter()
-    scenes = [s for s in prompt_set("pairs", count) if s.objects[0].colour != s.objects[1].colour]
-    first = [s.objects[0].colour for s in scenes]
-    second = [s.objects[1].colour for s in scenes]
+    scenes, first, second = two_colour_pairs(count)
     asked = torch.tensor([-1.0 if s.relation == "left of" else 1.0 for s in scenes])  # the moment's sign the caption asks
     side = pipe.spec.image_size
     sources = {SOURCES[0]: [render(s, side, random.Random(i)).image for i, s in enumerate(scenes)],
@@ -172,18 +174,14 @@ def caption_against_noise(pipe, count: int = 64, timesteps=CONFLICT_TIMESTEPS, g
     scheduler = DDPMScheduler.from_config(pipe.scheduler_config)
     param = next(pipe.unet.parameters())
     states = pipe.encode([s.caption for s in scenes]).to(param.device, param.dtype)
-    empty = pipe.encode([""]).to(param.device, param.dtype).expand(len(scenes), -1, -1)
+    empty = pipe.encode([""]).to(param.device, param.dtype)
     per_pair = {name: torch.zeros(len(scenes), len(timesteps)) for name in SOURCES}
     for name, images in sources.items():
         clean = torch.from_numpy(np.stack([to_model(image) for image in images]))
         for k, t in enumerate(timesteps):
             t_batch = torch.full((len(scenes),), int(t))
             noisy = scheduler.add_noise(clean, noise, t_batch).to(param.device, param.dtype)
-            model_input = pipe.model_input(noisy)
-            prediction = pipe.unet(model_input, t_batch.to(param.device), encoder_hidden_states=states).sample
-            if guidance_scale != 1.0:
-                uncond = pipe.unet(model_input, t_batch.to(param.device), encoder_hidden_states=empty).sample
-                prediction = uncond + guidance_scale * (prediction - uncond)
+            prediction = pipe.guided_prediction(pipe.model_input(noisy), int(t), states, empty, guidance_scale)
             implied = predicted_clean(scheduler, noisy.float().cpu(), prediction.float().cpu(), t)
             per_pair[name][:, k] = (order_moment(implied, first, second) * asked > 0).float()
     shares, intervals = shares_with_intervals(per_pair)
