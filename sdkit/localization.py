@@ -265,8 +265,9 @@ def format_localization(r: Localization) -> str:
     layers = [x for x in r.by_layer if x["word"]]
     if layers:
         top = max(layers, key=lambda x: x["word"]["auc"])
-        out.append(f"Best single layer: {top['layer']} at {top['grid']}x{top['grid']}, AUC {top['word']['auc']:.3f}, "
-                   f"IoU {top['word']['iou']:.3f} (over timesteps).")  # fmt: skip
+        # two lines: a layer's full name (SD's are 51 characters) and its numbers overran 120 columns
+        out.append(f"Best single layer: {top['layer']} at {top['grid']}x{top['grid']},")
+        out.append(f"  AUC {top['word']['auc']:.3f}, IoU {top['word']['iou']:.3f} (over timesteps).")
         if whole and word > top["word"]["auc"]:
             out.append("The mean over all layers localises better than any one layer.")
     out.append("Attention mass (mean over cells, heads, layers, timesteps): "
