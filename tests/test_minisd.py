@@ -162,22 +162,28 @@ def test_the_train_command_defaults_are_the_recipe():
 
     assert train_settings(build_parser().parse_args(["minisd", "train"])) == TrainSettings()
     options = ["--grounding-weight", "0.25", "--relation-weight", "0.5", "--attention-loss-from", "600",
-               "--zero-terminal-snr", "--swap-fraction", "0.5", "--swap-from", "700", "--place-embeddings",
-               "--timestep-bias", "9", "--timestep-bias-from", "950"]  # fmt: skip
+               "--no-zero-terminal-snr", "--swap-fraction", "0.5", "--swap-from", "700", "--no-place-embeddings",
+               "--timestep-bias", "1", "--timestep-bias-from", "950"]  # fmt: skip
     assert train_settings(build_parser().parse_args(["minisd", "train", *options])) == TrainSettings(
-        grounding_weight=0.25, relation_weight=0.5, attention_loss_from=600, zero_terminal_snr=True,
-        swap_fraction=0.5, swap_from=700, place_embeddings=True, timestep_bias=9.0, timestep_bias_from=950)
+        grounding_weight=0.25, relation_weight=0.5, attention_loss_from=600, zero_terminal_snr=False,
+        swap_fraction=0.5, swap_from=700, place_embeddings=False, timestep_bias=1.0, timestep_bias_from=950)
 
 
 @pytest.mark.skipif(not (SHIPPED / "minisd.json").is_file(), reason="no shipped mini SD in weights/minisd")
 def test_the_shipped_model_was_trained_by_the_defaults():
     from dataclasses import asdict
 
-    trained = json.loads((SHIPPED / "minisd.json").read_text())["training"]
-    assert trained["resumed_from_step"] == 0 and trained["processes"] == 1
-    # precision "auto" resolved to what the machine computes fastest: bf16 on the AMX CPU it was trained on
-    # settings added since it was trained are filled in as it had them (they were not there to turn on)
-    assert recorded_settings(trained["settings"]) == {**asdict(TrainSettings()), "precision": "bf16"}
+    shipped = json.loads((SHIPPED / "minisd.json").read_text())
+    trained = shipped["training"]
+    # One process, killed at step 3,917 and resumed from its step-3,800 checkpoint: the same bits as
+    # an unbroken run (test_training_saves_resumes_and_reloads_bit_exactly holds it).
+    assert trained["resumed_from_step"] == 3800 and trained["processes"] == 1
+    # precision "auto" resolved to what the machine computes fastest: fp32 on the CPU without AMX it was trained on
+    assert recorded_settings(trained["settings"]) == {**asdict(TrainSettings()), "precision": "fp32"}
+    # what sampling needs of the recipe travels with the model
+    scheduler = json.loads((SHIPPED / "scheduler" / "scheduler_config.json").read_text())
+    assert scheduler["rescale_betas_zero_snr"] and scheduler["prediction_type"] == "v_prediction"
+    assert shipped["place_embeddings"]
 
 
 def test_every_ablation_row_is_selectable_and_changes_one_thing():
@@ -188,19 +194,20 @@ def test_every_ablation_row_is_selectable_and_changes_one_thing():
     ablate = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ablate)
     assert ",".join(ablate.ROWS).split(",") == list(ablate.ROWS)  # --rows is comma-separated
+    sd = TrainSettings(steps=1600, zero_terminal_snr=False, place_embeddings=False, timestep_bias=1.0)  # SD 1.x's recipe
     baseline, config, encoder, layer = ablate.row_settings("baseline", 1600)
-    assert baseline == TrainSettings(steps=1600) and (encoder, layer) == ("all-MiniLM-L6-v2", "last")
+    assert baseline == sd and (encoder, layer) == ("all-MiniLM-L6-v2", "last")
     assert ablate.row_settings("penultimate layer", 1600) == (baseline, config, encoder, "penultimate")
-    assert ablate.row_settings("6000 steps", 1600)[0] == TrainSettings(steps=6000) == TrainSettings()
-    assert ablate.row_settings("pairs 75 %", 1600)[0] == TrainSettings(steps=1600, pair_fraction=0.75)
+    assert ablate.row_settings("6000 steps", 1600)[0] == replace(sd, steps=6000)
+    assert ablate.row_settings("pairs 75 %", 1600)[0] == replace(sd, pair_fraction=0.75)
     assert ablate.row_settings("mpnet encoder", 1600)[1] == {**config, "cross_attention_dim": 768}
-    assert ablate.row_settings("grounding + coordinates", 1600)[0] == TrainSettings(steps=1600, grounding_weight=1.0,
-                                                                                    coordinates=True)  # fmt: skip
-    assert ablate.row_settings("zero terminal SNR 6000 steps", 1600)[0] == TrainSettings(zero_terminal_snr=True)
-    assert ablate.row_settings("place embeddings + swapped pairs", 1600)[0] == TrainSettings(
-        steps=1600, place_embeddings=True, swap_fraction=0.5, swap_from=600)
+    assert ablate.row_settings("grounding + coordinates", 1600)[0] == replace(sd, grounding_weight=1.0, coordinates=True)
+    assert ablate.row_settings("zero terminal SNR 6000 steps", 1600)[0] == replace(sd, steps=6000, zero_terminal_snr=True)
+    assert ablate.row_settings("place embeddings + swapped pairs", 1600)[0] == replace(
+        sd, place_embeddings=True, swap_fraction=0.5, swap_from=600)
+    # the shipped recipe: the defaults
     assert ablate.row_settings("zero terminal SNR + place embeddings + later timesteps x9 6000 steps", 1600)[0] == \
-        TrainSettings(zero_terminal_snr=True, place_embeddings=True, timestep_bias=9.0)  # fmt: skip
+        TrainSettings()  # fmt: skip
 
 
 def test_a_bert_encoders_penultimate_layer_is_its_second_last_hidden_state(bert, tmp_path):
@@ -779,7 +786,7 @@ def test_the_timestep_bias_draws_the_later_timesteps_that_much_more_often():
         return torch.cat([draw_timesteps(settings, torch.Generator().manual_seed(hash_seed(0, step, 0)))
                           for step in range(batches)])  # fmt: skip
 
-    uniform = TrainSettings(batch_size=32)
+    uniform = TrainSettings(batch_size=32, timestep_bias=1.0)
     # no bias: the very draw every run made before there was one, so their recipes are unchanged
     assert torch.equal(draw_timesteps(uniform, torch.Generator().manual_seed(7)),
                        torch.randint(0, 1000, (32,), generator=torch.Generator().manual_seed(7)))  # fmt: skip

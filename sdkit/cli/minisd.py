@@ -175,7 +175,7 @@ def register(sub) -> None:
         encoder_options(q)
         add_json(q)
 
-    q = add_subcommand(minisd_sub, "train", "train a mini SD (the shipped recipe: 40-95 min on 2 CPU cores)")
+    q = add_subcommand(minisd_sub, "train", "train a mini SD (the shipped recipe: 40-100 min on 2 CPU cores)")
     q.add_argument("--out", default="out/minisd",
                    help="save the model folder here: a new or empty folder, or a mini SD folder, whose model is "
                         "replaced (other files in it are kept); the shipped model is weights/minisd")  # fmt: skip
@@ -194,21 +194,21 @@ def register(sub) -> None:
                    help="weight of the loss that orders a pair's attention as its caption does (left of / right of; 0: off)")
     q.add_argument("--attention-loss-from", type=nonnegative_int, default=0, metavar="T",
                    help="apply those two losses only to images noised to timestep T or more (of 1000)")
-    q.add_argument("--zero-terminal-snr", action="store_true",
-                   help="rescale the noise schedule to end at pure noise and predict v (Lin et al. 2024; SD 1.x ends "
-                        "at SNR 0.0047 and predicts the noise)")  # fmt: skip
-    q.add_argument("--place-embeddings", action="store_true",
+    q.add_argument("--zero-terminal-snr", action=argparse.BooleanOptionalAction, default=True,
+                   help="rescale the noise schedule to end at pure noise and predict v (Lin et al. 2024; on by default; "
+                        "SD 1.x ends at SNR 0.0047 and predicts the noise)")  # fmt: skip
+    q.add_argument("--place-embeddings", action=argparse.BooleanOptionalAction, default=True,
                    help="add diffusers' sinusoidal positional embedding before each transformer block's attention, so "
-                        "queries know their place (SD 1.x has none: a departure)")  # fmt: skip
+                        "queries know their place (on by default; SD 1.x has none: a departure)")  # fmt: skip
     q.add_argument("--swap-fraction", type=float, default=0.0, metavar="F",
                    help="noise this fraction of pair images from the pair with its objects exchanged, asking for the "
                         "true image: the noise then cannot say which object is where (a departure from SD's recipe; "
                         "default 0: off)")  # fmt: skip
     q.add_argument("--swap-from", type=nonnegative_int, default=600, metavar="T",
                    help="... only at timesteps T or more (of 1000; default 600)")
-    q.add_argument("--timestep-bias", type=positive_float, default=1.0, metavar="M",
+    q.add_argument("--timestep-bias", type=positive_float, default=9.0, metavar="M",
                    help="draw timesteps of T or more M times as often as the others (diffusers' 'later' timestep "
-                        "bias; default 1: uniform, SD's recipe)")  # fmt: skip
+                        "bias; default 9; 1: uniform, SD's recipe)")  # fmt: skip
     q.add_argument("--timestep-bias-from", type=nonnegative_int, default=900, metavar="T",
                    help="... T, of 1000 (default 900)")
     q.add_argument("--layer", choices=LAYERS, default="last",
