@@ -236,7 +236,8 @@ def memory_real_table() -> str:
         by.setdefault((r["source"], r["keys"], r["d"], r["mean_abs_cosine"]), {})[r["phi"]] = r
     rows = []
     for (source, keys, d, cosine), phis in by.items():
-        cells = [_count(phis[p]["measured"]) + (" (extrapolated)" if phis[p]["extrapolated"] else "") if p in phis else "-"
+        cells = ["-" if p not in phis else f"< {phis[p]['searched_from']}" if phis[p]["measured"] is None  # SIR < 1 from the start
+                 else _count(phis[p]["measured"]) + (" (extrapolated)" if phis[p]["extrapolated"] else "")
                  for p in ("linear", "relu", "softmax")]  # fmt: skip
         random = [_count(phis[p]["analytic_random"]) for p in ("linear", "relu", "softmax") if p in phis]
         rows.append([source.split(" (")[0].replace(".transformer_blocks.0.attn2", ""), keys, d, f"{cosine:.2f}", *cells, " / ".join(random)])

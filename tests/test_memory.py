@@ -71,6 +71,11 @@ def test_real_keys_that_repeat_have_little_capacity():
     text = format_report(MemoryReport([], [], real_keys=rows, sd_levels=sd_levels()))
     assert "  clustered: 20 directions, each stored many times" in text
     assert max(len(line) for line in text.splitlines()) <= 120
+    # two directions: a linear memory is swamped at the smallest store tried, and says so
+    twice = real_key_capacity("two", base[:2].repeat(100, 1), [8, 16], source="two directions")
+    swamped = [r for r in twice if r["phi"] == "linear" and r["keys"] == "two raw"][0]
+    assert swamped["measured"] is None and swamped["searched_from"] == 8
+    assert "< 8" in format_report(MemoryReport([], [], real_keys=twice, sd_levels=sd_levels()))
 
 
 def test_crossing_interpolates_and_extrapolates():

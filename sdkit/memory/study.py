@@ -82,8 +82,9 @@ def real_key_capacity(name: str, keys: torch.Tensor, memories: list[int], progre
                                   key_source=f"{name} {label}" if pool is not None else "random", trials=2,
                                   progress=progress)  # fmt: skip
             rows.append({"phi": phi, "keys": curve.keys, "source": source or name, "d": curve.d,
-                         "measured": curve.capacity,
-                         "extrapolated": curve.extrapolated, "searched_to": curve.memories[-1],
+                         "measured": curve.capacity,  # None: SIR below 1 already at searched_from
+                         "extrapolated": curve.extrapolated, "searched_from": curve.memories[0],
+                         "searched_to": curve.memories[-1],
                          "analytic_random": analytic_capacity(phi, curve.d),
                          "mean_abs_cosine": _mean_abs_cosine(pool, curve.d)})  # fmt: skip
     return rows
@@ -216,7 +217,8 @@ def format_report(r: MemoryReport) -> str:
                                  title=f"Long context, softmax, d_k = {fixed.d}: fixed beta = sqrt(d) against "
                                        "beta = sqrt(d) log(M) / log(512)")]  # fmt: skip
     if r.real_keys:
-        rows = [[k["phi"], k["keys"], k["d"], count(k["measured"]) + (" (extrap.)" if k["extrapolated"] else ""),
+        rows = [[k["phi"], k["keys"], k["d"], f"< {k['searched_from']}" if k["measured"] is None else
+                 count(k["measured"]) + (" (extrap.)" if k["extrapolated"] else ""),
                  count(k["analytic_random"]), f"{k['mean_abs_cosine']:.3f}"] for k in r.real_keys]  # fmt: skip
         out += ["", format_table(["phi", "keys", "d", "measured M*", "random analytic", "mean |cos|"], rows,
                                  title="Real keys (token states) against random keys of the same size")]  # fmt: skip
