@@ -175,7 +175,7 @@ def register(sub) -> None:
         encoder_options(q)
         add_json(q)
 
-    q = add_subcommand(minisd_sub, "train", "train a mini SD (the shipped recipe: 40-100 min on 2 CPU cores)")
+    q = add_subcommand(minisd_sub, "train", "train a mini SD (the shipped recipe: 40-95 min on 2 CPU cores)")
     q.add_argument("--out", default="out/minisd",
                    help="save the model folder here: a new or empty folder, or a mini SD folder, whose model is "
                         "replaced (other files in it are kept); the shipped model is weights/minisd")  # fmt: skip

@@ -27,7 +27,7 @@ is trained here (zero terminal SNR, v-prediction, the noisiest timesteps drawn 9
 captioned images of one or two coloured shapes whose masks are known, so attention maps and
 generated images can be scored.
 
-  sdkit minisd train                      train (the shipped model: the defaults, 40-100 min on 2 CPU cores)
+  sdkit minisd train                      train (the shipped model: the defaults, 40-95 min on 2 CPU cores)
   sdkit minisd sample "a red circle at the top left" --seeds 8 --out grid.png
   sdkit minisd eval --panel panel.png     judge generated images, against floors
 
