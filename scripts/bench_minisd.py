@@ -31,9 +31,10 @@ from tqdm import tqdm
 
 from sdkit.encoders import load_text_encoder
 from sdkit.minisd.data import all_captions
-from sdkit.minisd.pipeline import MiniSDPipeline, add_place_embeddings
-from sdkit.minisd.train import TrainSettings, batch_at, encode_captions, scheduler_config, train
-from sdkit.presets import build_unet, preset_config
+from sdkit.minisd.pipeline import MiniSDPipeline
+from sdkit.minisd.train import (TrainSettings, batch_at, encode_captions, recipe_unet, scheduler_config, train,
+                                training_target)
+from sdkit.presets import preset_config
 
 WARMUP = 25  # steps before the clock starts (ours: compilation happens in the first of them)
 
@@ -52,16 +53,13 @@ def plain_loop(encoder_path: str, steps: int) -> float:
     captions = captions_of(load_text_encoder(encoder_path))
     # the recipe's model, schedule and target (its place embeddings, zero terminal SNR and v)
     scheduler = DDPMScheduler.from_config(scheduler_config(settings))
-    unet = build_unet(preset_config("minisd"), weights="random", seed=settings.seed).train()
-    if settings.place_embeddings:
-        add_place_embeddings(unet, settings.image_size)
-    v_prediction = scheduler.config.prediction_type == "v_prediction"
+    unet = recipe_unet(preset_config("minisd"), settings)
     optimizer = torch.optim.AdamW(unet.parameters(), lr=settings.lr)
     for step in range(WARMUP + steps):
         if step == WARMUP:
             began = time.perf_counter()
         pixels, states, noise, timesteps = batch_at(step, settings, captions)[:4]
-        target = scheduler.get_velocity(pixels, noise, timesteps) if v_prediction else noise
+        target = training_target(scheduler, pixels, noise, timesteps)
         loss = F.mse_loss(unet(scheduler.add_noise(pixels, noise, timesteps), timesteps, states).sample, target)
         optimizer.zero_grad()
         loss.backward()

@@ -350,13 +350,31 @@ def scheduler_config(settings: TrainSettings) -> dict:
     return dict(SCHEDULER_CONFIG)
 
 
+def training_target(noise_scheduler, pixels, noise, timesteps) -> torch.Tensor:
+    """What the U-Net is asked to predict: the noise, or v where the schedule says v_prediction."""
+    if noise_scheduler.config.prediction_type == "v_prediction":
+        return noise_scheduler.get_velocity(pixels, noise, timesteps)
+    return noise
+
+
+def recipe_unet(config: dict, settings: TrainSettings):
+    """The U-Net a run starts from: `config` at random weights from the seed, with the place
+    embeddings where the settings ask for them."""
+    from ..presets import build_unet
+
+    unet = build_unet(config, weights="random", seed=settings.seed).train()
+    if settings.place_embeddings:
+        add_place_embeddings(unet, settings.image_size)
+    return unet
+
+
 def weighted_loss(prediction, pixels, noise, timesteps, noise_scheduler, settings: TrainSettings) -> torch.Tensor:
     """The batch's MSE on the scheduler's target (epsilon or v), each sample weighted by its timestep
     (float32 whatever the precision)."""
     from diffusers.training_utils import compute_snr
 
     v_prediction = noise_scheduler.config.prediction_type == "v_prediction"
-    target = noise_scheduler.get_velocity(pixels, noise, timesteps) if v_prediction else noise
+    target = training_target(noise_scheduler, pixels, noise, timesteps)
     loss = F.mse_loss(prediction.float(), target, reduction="none").mean(dim=(1, 2, 3))
     if settings.snr_gamma:
         # The epsilon error is sqrt(SNR) x the error of the implied clean image, and the v error
@@ -557,9 +575,7 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
                          f"({int(captions.lengths.max())} tokens) and fit the encoder ({encoder.max_length})")  # fmt: skip
     captions.max_length = settings.context_length
     noise_scheduler = DDPMScheduler.from_config(scheduler_config(settings))
-    unet = build_unet(config, weights="random", seed=settings.seed).train()
-    if settings.place_embeddings:
-        add_place_embeddings(unet, settings.image_size)
+    unet = recipe_unet(config, settings)
     if device.type == "cpu":
         # On the CPU, attention as bmm + softmax trains 1.6x faster in bfloat16 than the fused
         # scaled_dot_product_attention, whose bfloat16 backward is slow there. In float32 the two
