@@ -49,10 +49,13 @@ guidance 4, with 95 % bootstrap intervals over prompts. Rows:
     zero terminal SNR + place embeddings + later timesteps x9 6000 steps   the shipped recipe (the
                         defaults): timesteps >= 900 drawn nine times as often, where only the caption
                         can order a pair, with the layout left to the text and queries that know their place
+    ... 3600 steps      the same in the hour the issue allows (the learning rate decays to zero at the end)
+    ... 3600 steps constant lr   and with SD 1.x's schedule: the peak rate held after the warm-up
 
 Each row writes its model under --out (with a checkpoint, so a killed run resumes) and its result
 into --json as soon as it is judged; a row already in --json with the same settings is not run
-again. Needs the real encoders (python scripts/get_real_encoders.py). About 15 minutes a row at
+again. --trained ROW=FOLDER judges a row from a model `sdkit minisd train` saved, once its
+minisd.json shows the row's settings, encoder and layer (the time is the one it records). Needs the real encoders (python scripts/get_real_encoders.py). About 15 minutes a row at
 1,600 steps on 2 CPU cores.
 
     python scripts/ablate_minisd.py [--rows baseline,...] [--steps 1600] [--out out/ablation]
@@ -68,7 +71,7 @@ from pathlib import Path
 from sdkit.common import format_table, write_json
 from sdkit.encoders import load_text_encoder
 from sdkit.minisd.evaluate import evaluate
-from sdkit.minisd.pipeline import MiniSDPipeline
+from sdkit.minisd.pipeline import MiniSDPipeline, MiniSDSpec
 from sdkit.minisd.train import TrainSettings, recorded_settings, train
 from sdkit.presets import preset_config
 
@@ -103,6 +106,12 @@ ROWS = {
     "zero terminal SNR + place embeddings + later timesteps x9 6000 steps": (
         {"zero_terminal_snr": True, "place_embeddings": True, "timestep_bias": 9.0, "steps": 6000}, {},
         "all-MiniLM-L6-v2"),
+    "zero terminal SNR + place embeddings + later timesteps x9 3600 steps": (
+        {"zero_terminal_snr": True, "place_embeddings": True, "timestep_bias": 9.0, "steps": 3600}, {},
+        "all-MiniLM-L6-v2"),
+    "zero terminal SNR + place embeddings + later timesteps x9 3600 steps constant lr": (
+        {"zero_terminal_snr": True, "place_embeddings": True, "timestep_bias": 9.0, "steps": 3600,
+         "lr_schedule": "constant"}, {}, "all-MiniLM-L6-v2"),
 }
 SETS = ("singles", "pairs")
 
@@ -121,9 +130,12 @@ def main() -> int:
     parser.add_argument("--out", default="out/ablation", help="models and checkpoints")
     parser.add_argument("--json", default="weights/minisd/findings/ablation.json", help="results")
     parser.add_argument("--encoders-dir", default="weights/encoders")
+    parser.add_argument("--trained", action="append", default=[], metavar="ROW=FOLDER",
+                        help="judge ROW from this model folder (trained with its settings) instead of training it")
     args = parser.parse_args()
+    trained_folders = dict(item.split("=", 1) for item in args.trained if "=" in item)
     rows = [r for r in args.rows.split(",") if r]
-    unknown = [r for r in rows if r not in ROWS]
+    unknown = [r for r in [*rows, *trained_folders] if r not in ROWS]
     if unknown:
         print(f"unknown row {unknown[0]!r}; choose from {', '.join(ROWS)}", file=sys.stderr)
         return 2
@@ -139,16 +151,25 @@ def main() -> int:
                 {**recorded_settings(done["settings"]), "precision": "auto"} == {**record["settings"], "precision": "auto"}:  # fmt: skip
             print(f"{name}: already judged, kept", flush=True)
             continue
-        print(f"{name}: training {settings.steps} steps", flush=True)
         encoder = load_text_encoder(Path(args.encoders_dir) / encoder_name, layer=layer)
-        folder = Path(args.out) / name.replace(" ", "-").replace("%", "pct")
-        trained = train(folder / "model", encoder, settings, config, checkpoint_dir=folder / "checkpoints",
+        if name in trained_folders:
+            model = Path(trained_folders[name])
+            trained = trained_as_row(model, record)
+            if isinstance(trained, str):
+                print(f"{model}: not this row's model ({trained})", file=sys.stderr)
+                return 2
+        else:
+            print(f"{name}: training {settings.steps} steps", flush=True)
+            folder = Path(args.out) / name.replace(" ", "-").replace("%", "pct")
+            model = folder / "model"
+            run = train(model, encoder, settings, config, checkpoint_dir=folder / "checkpoints",
                         checkpoint_every=200, cache_dir="weights/cache")  # fmt: skip
-        pipe = MiniSDPipeline.from_pretrained(folder / "model", text_encoder=encoder.source)
+            trained = {"settings": run.settings, "train_seconds": run.total_seconds,
+                       "samples_per_second": run.samples_per_second}
+        pipe = MiniSDPipeline.from_pretrained(model, text_encoder=encoder.source)
         began = time.perf_counter()
         ev = evaluate(pipe, SETS, args.count, floors=False, model_name=name)
-        record.update(settings=trained.settings, train_seconds=trained.total_seconds, samples_per_second=trained.samples_per_second,
-                      eval_seconds=time.perf_counter() - began,
+        record.update(**trained, eval_seconds=time.perf_counter() - began,
                       results={s: ev.results["model"][s] for s in SETS}, intervals=ev.intervals)  # fmt: skip
         results["rows"][name] = record
         write_json(results_path, results)
@@ -156,6 +177,25 @@ def main() -> int:
               f"{ev.results['model']['singles']['all']:.3f}", flush=True)
     print(format_ablation(results))
     return 0
+
+
+def trained_as_row(folder: Path, record: dict) -> dict | str:
+    """The row's training record from a saved model folder, or what makes it another row's model."""
+    spec = MiniSDSpec.read(folder)
+    training = spec.training
+    if not training:
+        return "its minisd.json records no training"
+    if {**recorded_settings(training["settings"]), "precision": "auto"} != {**record["settings"], "precision": "auto"}:
+        return "trained with other settings"
+    if (spec.text_encoder, spec.layer) != (record["text_encoder"], record["layer"]):
+        return f"it reads {spec.text_encoder}'s {spec.layer} layer"
+    unet_config = json.loads((folder / "unet" / "config.json").read_text())
+    if any(unet_config.get(key) != value for key, value in record["unet"].items()):
+        return "another U-Net config"
+    # a resumed run's minisd.json times only its last process; the history counts them all
+    seconds = training["seconds"] if training["resumed_from_step"] == 0 else training["history"][-1]["seconds"]
+    return {"settings": training["settings"], "train_seconds": seconds,
+            "samples_per_second": training["samples_per_second"]}
 
 
 def format_ablation(results: dict) -> str:

@@ -163,10 +163,23 @@ def test_the_train_command_defaults_are_the_recipe():
     assert train_settings(build_parser().parse_args(["minisd", "train"])) == TrainSettings()
     options = ["--grounding-weight", "0.25", "--relation-weight", "0.5", "--attention-loss-from", "600",
                "--no-zero-terminal-snr", "--swap-fraction", "0.5", "--swap-from", "700", "--no-place-embeddings",
-               "--timestep-bias", "1", "--timestep-bias-from", "950"]  # fmt: skip
+               "--timestep-bias", "1", "--timestep-bias-from", "950", "--lr-schedule", "constant"]  # fmt: skip
     assert train_settings(build_parser().parse_args(["minisd", "train", *options])) == TrainSettings(
         grounding_weight=0.25, relation_weight=0.5, attention_loss_from=600, zero_terminal_snr=False,
-        swap_fraction=0.5, swap_from=700, place_embeddings=False, timestep_bias=1.0, timestep_bias_from=950)
+        swap_fraction=0.5, swap_from=700, place_embeddings=False, timestep_bias=1.0, timestep_bias_from=950,
+        lr_schedule="constant")
+
+
+def test_the_learning_rate_warms_up_then_decays_or_holds():
+    from sdkit.minisd.train import learning_rate
+
+    cosine = TrainSettings(steps=1100, lr=1e-3, warmup_steps=100)
+    assert [learning_rate(s, cosine) for s in (0, 49, 99)] == pytest.approx([1e-5, 5e-4, 1e-3])
+    assert [learning_rate(s, cosine) for s in (100, 600, 1100)] == pytest.approx([1e-3, 5e-4, 0.0], abs=1e-12)
+    constant = replace(cosine, lr_schedule="constant")
+    assert [learning_rate(s, constant) for s in (0, 49, 100, 600, 1099)] == pytest.approx([1e-5, 5e-4, 1e-3, 1e-3, 1e-3])
+    with pytest.raises(SdkitError, match="unknown lr_schedule 'linear'"):
+        replace(cosine, lr_schedule="linear").check()
 
 
 @pytest.mark.skipif(not (SHIPPED / "minisd.json").is_file(), reason="no shipped mini SD in weights/minisd")
@@ -206,8 +219,32 @@ def test_every_ablation_row_is_selectable_and_changes_one_thing():
     assert ablate.row_settings("place embeddings + swapped pairs", 1600)[0] == replace(
         sd, place_embeddings=True, swap_fraction=0.5, swap_from=600)
     # the shipped recipe: the defaults
-    assert ablate.row_settings("zero terminal SNR + place embeddings + later timesteps x9 6000 steps", 1600)[0] == \
-        TrainSettings()  # fmt: skip
+    shipped = "zero terminal SNR + place embeddings + later timesteps x9"
+    assert ablate.row_settings(f"{shipped} 6000 steps", 1600)[0] == TrainSettings()
+    assert ablate.row_settings(f"{shipped} 3600 steps", 1600)[0] == replace(TrainSettings(), steps=3600)
+    assert ablate.row_settings(f"{shipped} 3600 steps constant lr", 1600)[0] == \
+        replace(TrainSettings(), steps=3600, lr_schedule="constant")  # fmt: skip
+
+
+def test_an_ablation_row_is_judged_from_a_model_trained_with_its_settings_only(bert, tmp_path):
+    import importlib.util
+    from dataclasses import asdict
+
+    spec = importlib.util.spec_from_file_location("ablate_minisd", REPO / "scripts" / "ablate_minisd.py")
+    ablate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ablate)
+    settings, config = _settings(), micro_config(bert.width)
+    train(tmp_path / "model", bert, settings, config, cache_dir=None, progress=False)
+    record = {"settings": asdict(settings), "unet": config, "text_encoder": Path(bert.source).name, "layer": "last"}
+    trained = ablate.trained_as_row(tmp_path / "model", record)
+    recorded = json.loads((tmp_path / "model" / "minisd.json").read_text())["training"]
+    assert trained == {"settings": recorded["settings"], "train_seconds": recorded["seconds"],
+                       "samples_per_second": recorded["samples_per_second"]}  # fmt: skip
+    assert ablate.trained_as_row(tmp_path / "model", {**record, "settings": asdict(replace(settings, steps=3))}) == \
+        "trained with other settings"  # fmt: skip
+    assert ablate.trained_as_row(tmp_path / "model", {**record, "layer": "penultimate"}).endswith("last layer")
+    assert ablate.trained_as_row(tmp_path / "model", {**record, "unet": {**config, "cross_attention_dim": 1}}) == \
+        "another U-Net config"  # fmt: skip
 
 
 def test_a_bert_encoders_penultimate_layer_is_its_second_last_hidden_state(bert, tmp_path):

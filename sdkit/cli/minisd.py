@@ -28,7 +28,8 @@ def train_settings(args):
     """TrainSettings from `sdkit minisd train`'s options (their defaults are TrainSettings' own: a test)."""
     from ..minisd.train import TrainSettings
 
-    return TrainSettings(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+    return TrainSettings(steps=args.steps, batch_size=args.batch_size, lr=args.lr, lr_schedule=args.lr_schedule,
+                         seed=args.seed,
                          image_size=args.image_size, conditioning=args.conditioning,
                          empty_fraction=args.empty_fraction, pair_fraction=args.pair_fraction,
                          grounding_weight=args.grounding_weight, relation_weight=args.relation_weight,
@@ -182,6 +183,8 @@ def register(sub) -> None:
     q.add_argument("--steps", type=positive_int, default=6000, help="optimizer steps")
     q.add_argument("--batch-size", type=positive_int, default=32, help="images per step")
     q.add_argument("--lr", type=positive_float, default=1e-3, help="peak learning rate")
+    q.add_argument("--lr-schedule", choices=("cosine", "constant"), default="cosine",
+                   help="after a 100-step warm-up: cosine decay to zero, or constant (SD 1.x's)")
     q.add_argument("--seed", type=seed, default=0, help="seed of the data stream, noise and initialisation")
     q.add_argument("--image-size", type=positive_int, default=32, help="image side in pixels (32 or 64)")
     q.add_argument("--conditioning", choices=("tokens", "pooled"), default="tokens",

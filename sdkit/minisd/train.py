@@ -44,8 +44,11 @@ CHECKPOINT = "checkpoint.safetensors"
 class TrainSettings:
     steps: int = 6000
     batch_size: int = 32  # images per step, over all processes
-    lr: float = 1e-3  # peak; linear warm-up, then cosine decay to zero
+    lr: float = 1e-3  # peak, after a linear warm-up
     warmup_steps: int = 100
+    # After the warm-up: "cosine" decays to zero at the last step; "constant" holds the peak, as SD 1.x
+    # trained (its EMA weights, what is saved, average the last few hundred steps either way).
+    lr_schedule: str = "cosine"
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     snr_gamma: float = 5.0  # Min-SNR clip on the image-error weight; 0 for the plain epsilon MSE
@@ -123,15 +126,18 @@ class TrainSettings:
         if (self.grounding_weight or self.relation_weight) and self.conditioning != "tokens":
             raise SdkitError("the grounding and relation losses need token conditioning: a pooled caption is one key, "
                              "whose weight is 1 everywhere")  # fmt: skip
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise SdkitError(f"unknown lr_schedule {self.lr_schedule!r}; choose one of {', '.join(LR_SCHEDULES)}")
         if self.precision not in PRECISIONS:
             raise SdkitError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
 
 
 PRECISIONS = ("auto", "bf16", "fp32")
+LR_SCHEDULES = ("cosine", "constant")
 # Settings added after models were trained and recorded, with the value every earlier run had.
 ADDED_SETTINGS = {"coordinates": False, "grounding_weight": 0.0, "relation_weight": 0.0, "attention_loss_from": 0,
                   "zero_terminal_snr": False, "swap_fraction": 0.0, "swap_from": 600, "place_embeddings": False,
-                  "timestep_bias": 1.0, "timestep_bias_from": 900}
+                  "timestep_bias": 1.0, "timestep_bias_from": 900, "lr_schedule": "cosine"}
 
 
 def recorded_settings(recorded: dict) -> dict:
@@ -272,6 +278,8 @@ def hash_seed(*parts) -> int:
 def learning_rate(step: int, settings: TrainSettings) -> float:
     if step < settings.warmup_steps:
         return settings.lr * (step + 1) / settings.warmup_steps
+    if settings.lr_schedule == "constant":
+        return settings.lr
     progress = (step - settings.warmup_steps) / max(1, settings.steps - settings.warmup_steps)
     return settings.lr * 0.5 * (1 + math.cos(math.pi * progress))
 
