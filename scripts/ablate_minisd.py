@@ -46,6 +46,8 @@ guidance 4, with 95 % bootstrap intervals over prompts. Rows:
                         which object is where
     penultimate layer   the text encoder's penultimate layer in place of its last (SD 2.x's choice; in
                         MiniLM it carries binding and the relation better: the probe's layer rows)
+    later timesteps x9  timesteps >= 900 drawn nine times as often (diffusers' "later" timestep bias), alone
+    zero terminal SNR + place embeddings + later timesteps x9   the shipped recipe at the rows' budget
     zero terminal SNR + place embeddings + later timesteps x9 6000 steps   the shipped recipe (the
                         defaults): timesteps >= 900 drawn nine times as often, where only the caption
                         can order a pair, with the layout left to the text and queries that know their place
@@ -103,6 +105,9 @@ ROWS = {
     "place embeddings + swapped pairs": ({"place_embeddings": True, "swap_fraction": 0.5, "swap_from": 600}, {},
                                          "all-MiniLM-L6-v2"),
     "penultimate layer": ({}, {}, "all-MiniLM-L6-v2", "penultimate"),
+    "later timesteps x9": ({"timestep_bias": 9.0}, {}, "all-MiniLM-L6-v2"),
+    "zero terminal SNR + place embeddings + later timesteps x9": (
+        {"zero_terminal_snr": True, "place_embeddings": True, "timestep_bias": 9.0}, {}, "all-MiniLM-L6-v2"),
     "zero terminal SNR + place embeddings + later timesteps x9 6000 steps": (
         {"zero_terminal_snr": True, "place_embeddings": True, "timestep_bias": 9.0, "steps": 6000}, {},
         "all-MiniLM-L6-v2"),

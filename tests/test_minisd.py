@@ -221,6 +221,8 @@ def test_every_ablation_row_is_selectable_and_changes_one_thing():
     # the shipped recipe: the defaults
     shipped = "zero terminal SNR + place embeddings + later timesteps x9"
     assert ablate.row_settings(f"{shipped} 6000 steps", 1600)[0] == TrainSettings()
+    assert ablate.row_settings(shipped, 1600)[0] == replace(TrainSettings(), steps=1600)
+    assert ablate.row_settings("later timesteps x9", 1600)[0] == replace(sd, timestep_bias=9.0)
     assert ablate.row_settings(f"{shipped} 3600 steps", 1600)[0] == replace(TrainSettings(), steps=3600)
     assert ablate.row_settings(f"{shipped} 3600 steps constant lr", 1600)[0] == \
         replace(TrainSettings(), steps=3600, lr_schedule="constant")  # fmt: skip
