@@ -57,8 +57,9 @@ guidance 4, with 95 % bootstrap intervals over prompts. Rows:
 Each row writes its model under --out (with a checkpoint, so a killed run resumes) and its result
 into --json as soon as it is judged; a row already in --json with the same settings is not run
 again. --trained ROW=FOLDER judges a row from a model `sdkit minisd train` saved, once its
-minisd.json shows the row's settings, encoder and layer (the time is the one it records). Needs the real encoders (python scripts/get_real_encoders.py). About 15 minutes a row at
-1,600 steps on 2 CPU cores.
+minisd.json shows the row's settings, encoder, layer and U-Net (the time is the one it records).
+Needs the real encoders (python scripts/get_real_encoders.py). About 15 minutes a row at 1,600
+steps on 2 CPU cores.
 
     python scripts/ablate_minisd.py [--rows baseline,...] [--steps 1600] [--out out/ablation]
 """
@@ -70,7 +71,7 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from sdkit.common import format_table, write_json
+from sdkit.common import SdkitError, format_table, write_json
 from sdkit.encoders import load_text_encoder
 from sdkit.minisd.evaluate import evaluate
 from sdkit.minisd.pipeline import MiniSDPipeline, MiniSDSpec
@@ -135,12 +136,13 @@ def main() -> int:
     parser.add_argument("--out", default="out/ablation", help="models and checkpoints")
     parser.add_argument("--json", default="weights/minisd/findings/ablation.json", help="results")
     parser.add_argument("--encoders-dir", default="weights/encoders")
-    parser.add_argument("--trained", action="append", default=[], metavar="ROW=FOLDER",
+    parser.add_argument("--trained", action="append", default=[], type=row_and_folder, metavar="ROW=FOLDER",
                         help="judge ROW from this model folder (trained with its settings) instead of training it")
     args = parser.parse_args()
-    trained_folders = dict(item.split("=", 1) for item in args.trained if "=" in item)
+    trained_folders = dict(args.trained)
     rows = [r for r in args.rows.split(",") if r]
-    unknown = [r for r in [*rows, *trained_folders] if r not in ROWS]
+    rows += [r for r in trained_folders if r not in rows]  # a row given its model is a row asked for
+    unknown = [r for r in rows if r not in ROWS]
     if unknown:
         print(f"unknown row {unknown[0]!r}; choose from {', '.join(ROWS)}", file=sys.stderr)
         return 2
@@ -153,13 +155,16 @@ def main() -> int:
         done = results["rows"].get(name)
         # rows judged before the layer was a choice read the last one, and record none
         if done and all(done.get(k, "last" if k == "layer" else None) == v for k, v in record.items() if k != "settings") and \
-                {**recorded_settings(done["settings"]), "precision": "auto"} == {**record["settings"], "precision": "auto"}:  # fmt: skip
+                same_recipe(done["settings"], record["settings"]):
             print(f"{name}: already judged, kept", flush=True)
             continue
         encoder = load_text_encoder(Path(args.encoders_dir) / encoder_name, layer=layer)
         if name in trained_folders:
             model = Path(trained_folders[name])
-            trained = trained_as_row(model, record)
+            try:
+                trained = trained_as_row(model, record)
+            except SdkitError as error:  # not a mini SD folder, or an unreadable one
+                trained = str(error)
             if isinstance(trained, str):
                 print(f"{model}: not this row's model ({trained})", file=sys.stderr)
                 return 2
@@ -184,13 +189,25 @@ def main() -> int:
     return 0
 
 
+def same_recipe(recorded: dict, settings: dict) -> bool:
+    """Whether a run's recorded settings are these, whatever precision "auto" chose on its machine."""
+    return {**recorded_settings(recorded), "precision": "auto"} == {**settings, "precision": "auto"}
+
+
+def row_and_folder(text: str) -> tuple[str, str]:
+    row, equals, folder = text.partition("=")
+    if not equals or not folder:
+        raise argparse.ArgumentTypeError(f"{text!r} is not ROW=FOLDER")
+    return row, folder
+
+
 def trained_as_row(folder: Path, record: dict) -> dict | str:
     """The row's training record from a saved model folder, or what makes it another row's model."""
     spec = MiniSDSpec.read(folder)
     training = spec.training
     if not training:
         return "its minisd.json records no training"
-    if {**recorded_settings(training["settings"]), "precision": "auto"} != {**record["settings"], "precision": "auto"}:
+    if not same_recipe(training["settings"], record["settings"]):
         return "trained with other settings"
     if (spec.text_encoder, spec.layer) != (record["text_encoder"], record["layer"]):
         return f"it reads {spec.text_encoder}'s {spec.layer} layer"
