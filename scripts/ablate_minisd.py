@@ -214,8 +214,9 @@ def trained_as_row(folder: Path, record: dict) -> dict | str:
     unet_config = json.loads((folder / "unet" / "config.json").read_text())
     if any(unet_config.get(key) != value for key, value in record["unet"].items()):
         return "another U-Net config"
-    # a resumed run's minisd.json times only its last process; the history counts them all
-    seconds = training["seconds"] if training["resumed_from_step"] == 0 else training["history"][-1]["seconds"]
+    # "seconds" times only a resumed run's last process; records older than "total_seconds" have
+    # the run's time (every process counted) in their history's last entry, made at the last step
+    seconds = training.get("total_seconds", training["history"][-1]["seconds"])
     return {"settings": training["settings"], "train_seconds": seconds,
             "samples_per_second": training["samples_per_second"]}
 

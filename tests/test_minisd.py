@@ -240,8 +240,15 @@ def test_an_ablation_row_is_judged_from_a_model_trained_with_its_settings_only(b
     record = {"settings": asdict(settings), "unet": config, "text_encoder": Path(bert.source).name, "layer": "last"}
     trained = ablate.trained_as_row(tmp_path / "model", record)
     recorded = json.loads((tmp_path / "model" / "minisd.json").read_text())["training"]
-    assert trained == {"settings": recorded["settings"], "train_seconds": recorded["seconds"],
+    assert trained == {"settings": recorded["settings"], "train_seconds": recorded["total_seconds"],
                        "samples_per_second": recorded["samples_per_second"]}  # fmt: skip
+    # a record written before "total_seconds": the history's last entry, which counts every process
+    spec_file = tmp_path / "model" / "minisd.json"
+    older = json.loads(spec_file.read_text())
+    del older["training"]["total_seconds"]
+    older["training"]["history"][-1]["seconds"] = 123.0
+    spec_file.write_text(json.dumps(older))
+    assert ablate.trained_as_row(tmp_path / "model", record)["train_seconds"] == 123.0
     assert ablate.trained_as_row(tmp_path / "model", {**record, "settings": asdict(replace(settings, steps=3))}) == \
         "trained with other settings"  # fmt: skip
     assert ablate.trained_as_row(tmp_path / "model", {**record, "layer": "penultimate"}).endswith("last layer")
@@ -299,6 +306,9 @@ def test_training_saves_resumes_and_reloads_bit_exactly(bert, tmp_path, precisio
     # the run's time counts the first process's step too: the ablation's "trained" column is this
     assert whole.total_seconds == whole.seconds and resumed.total_seconds > resumed.seconds > 0
     assert resumed.total_seconds - resumed.seconds < resumed.history[-1]["seconds"] <= resumed.total_seconds
+    recorded = json.loads((tmp_path / "cut" / "minisd.json").read_text())["training"]
+    assert (recorded["resumed_from_step"], recorded["seconds"], recorded["total_seconds"]) == \
+        (1, round(resumed.seconds, 1), round(resumed.total_seconds, 1))  # fmt: skip
     a = load_file(tmp_path / "whole" / "unet" / "diffusion_pytorch_model.safetensors")
     b = load_file(tmp_path / "cut" / "unet" / "diffusion_pytorch_model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -681,7 +681,8 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
                           conditioning=settings.conditioning, image_size=settings.image_size,
                           coordinates=settings.coordinates, place_embeddings=settings.place_embeddings,
                           training={"settings": asdict(settings), "resumed_from_step": start,
-                                    "seconds": round(seconds, 1), "samples_per_second": round(result.samples_per_second, 2),
+                                    "seconds": round(seconds, 1), "total_seconds": round(result.total_seconds, 1),
+                                    "samples_per_second": round(result.samples_per_second, 2),
                                     "processes": accelerator.num_processes, "device": str(accelerator.device),
                                     "history": history})  # fmt: skip
         MiniSDPipeline(final.cpu(), scheduler_config(settings), spec).save_pretrained(out)
