@@ -211,7 +211,10 @@ def trained_as_row(folder: Path, record: dict) -> dict | str:
         return "trained with other settings"
     if (spec.text_encoder, spec.layer) != (record["text_encoder"], record["layer"]):
         return f"it reads {spec.text_encoder}'s {spec.layer} layer"
-    unet_config = json.loads((folder / "unet" / "config.json").read_text())
+    unet_config_file = folder / "unet" / "config.json"
+    if not unet_config_file.is_file():
+        return "it has no unet/config.json"
+    unet_config = json.loads(unet_config_file.read_text())
     if any(unet_config.get(key) != value for key, value in record["unet"].items()):
         return "another U-Net config"
     # "seconds" times only a resumed run's last process; records older than "total_seconds" have

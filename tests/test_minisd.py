@@ -1,3 +1,4 @@
+import argparse
 import json
 import math
 import random
@@ -254,6 +255,14 @@ def test_an_ablation_row_is_judged_from_a_model_trained_with_its_settings_only(b
     assert ablate.trained_as_row(tmp_path / "model", {**record, "layer": "penultimate"}).endswith("last layer")
     assert ablate.trained_as_row(tmp_path / "model", {**record, "unet": {**config, "cross_attention_dim": 1}}) == \
         "another U-Net config"  # fmt: skip
+    (tmp_path / "model" / "unet" / "config.json").unlink()
+    assert ablate.trained_as_row(tmp_path / "model", record) == "it has no unet/config.json"
+    with pytest.raises(SdkitError, match="minisd.json"):  # not a mini SD folder: main prints it, exit 2
+        ablate.trained_as_row(tmp_path / "nothing", record)
+    assert ablate.row_and_folder("baseline=out/a=b") == ("baseline", "out/a=b")
+    for text in ("baseline", "baseline="):
+        with pytest.raises(argparse.ArgumentTypeError, match="is not ROW=FOLDER"):
+            ablate.row_and_folder(text)
 
 
 def test_a_bert_encoders_penultimate_layer_is_its_second_last_hidden_state(bert, tmp_path):
