@@ -12,6 +12,9 @@ measured after warm-up steps (for ours, after compilation, whose time is printed
 interleaved rounds. It prints both rates, their ratio and the machine's core count, then times one
 sampling call of 16 images (DDIM, 25 steps, guidance: 50 U-Net evaluations of a batch of 16).
 
+Both loops, and the sampling, run on the device train() runs on: the one accelerate picks (CUDA
+where present, else the CPU), so the ratio compares like with like on either.
+
 Needs the real text encoder (python scripts/get_real_encoders.py); about 6 minutes on 2 cores.
 
     python scripts/bench_minisd.py [--steps 30] [--rounds 2]
@@ -51,20 +54,35 @@ def plain_loop(encoder_path: str, steps: int) -> float:
 
     settings = TrainSettings(steps=WARMUP + steps)
     captions = captions_of(load_text_encoder(encoder_path))
+    device = training_device()
     # the recipe's model, schedule and target (its place embeddings, zero terminal SNR and v)
     scheduler = DDPMScheduler.from_config(scheduler_config(settings))
-    unet = recipe_unet(preset_config("minisd"), settings)
+    unet = recipe_unet(preset_config("minisd"), settings).to(device)
     optimizer = torch.optim.AdamW(unet.parameters(), lr=settings.lr)
     for step in range(WARMUP + steps):
         if step == WARMUP:
+            synchronize(device)
             began = time.perf_counter()
-        pixels, states, noise, timesteps = batch_at(step, settings, captions)[:4]
+        pixels, states, noise, timesteps = (t.to(device) for t in batch_at(step, settings, captions)[:4])
         target = training_target(scheduler, pixels, noise, timesteps)
         loss = F.mse_loss(unet(scheduler.add_noise(pixels, noise, timesteps), timesteps, states).sample, target)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+    synchronize(device)
     return steps * settings.batch_size / (time.perf_counter() - began)
+
+
+def training_device() -> torch.device:
+    """The device train() runs on in a process of its own: the one accelerate picks."""
+    from accelerate import PartialState
+
+    return PartialState().device
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def our_loop(encoder_path: str, steps: int, out: str) -> tuple[float, float, str]:
@@ -101,16 +119,20 @@ def main() -> None:
     ours_s, plain_s = statistics.median(ours), statistics.median(plain)
     settings = TrainSettings()
     amx = "with" if torch.cpu._is_amx_tile_supported() else "without"
+    device = training_device()
+    on = f", on {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""
     print(f"\ntraining, batch {settings.batch_size}, {args.steps} timed steps x {args.rounds} rounds (median), "
-          f"{os.cpu_count()} CPU cores {amx} AMX, torch {torch.__version__}:")
+          f"{os.cpu_count()} CPU cores {amx} AMX{on}, torch {torch.__version__}:")
     print(f"  sdkit minisd train: {ours_s:7.1f} samples/s  (defaults: precision auto = {precision}, compile; Min-SNR, "
           f"EMA, clipping, logging; first 25 steps incl. compilation: {statistics.median(warmups):.0f} s)")
     print(f"  plain eager loop:   {plain_s:7.1f} samples/s  (float32, eager, MSE, AdamW)")
     print(f"  ratio ours / plain: {ours_s / plain_s:.2f}")
     prompts = ["a red circle at the top left"] * 16
+    pipe.unet.to(device)
     pipe(prompts[:2], num_inference_steps=2, seeds=[0, 1])  # warm-up
     began = time.perf_counter()
     pipe(prompts, num_inference_steps=25, seeds=list(range(16)))
+    synchronize(device)
     seconds = time.perf_counter() - began
     print(f"\nsampling: one call of 16 images, DDIM 25 steps with guidance: {seconds:.2f} s ({seconds / 16:.3f} s per image)")
 
