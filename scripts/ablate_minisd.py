@@ -158,17 +158,18 @@ def main() -> int:
                 same_recipe(done["settings"], record["settings"]):
             print(f"{name}: already judged, kept", flush=True)
             continue
-        encoder = load_text_encoder(Path(args.encoders_dir) / encoder_name, layer=layer)
-        if name in trained_folders:
+        if name in trained_folders:  # checked before the encoder loads: a wrong folder is refused at once
             model = Path(trained_folders[name])
             try:
                 trained = trained_as_row(model, record)
-            except SdkitError as error:  # not a mini SD folder, or an unreadable one
-                trained = str(error)
-            if isinstance(trained, str):
-                print(f"{model}: not this row's model ({trained})", file=sys.stderr)
+            except SdkitError as error:  # not a mini SD folder, or an unreadable one: the error names it
+                print(f"{name}: {error}", file=sys.stderr)
                 return 2
-        else:
+            if isinstance(trained, str):
+                print(f"{model}: not the model of row {name!r}: {trained}", file=sys.stderr)
+                return 2
+        encoder = load_text_encoder(Path(args.encoders_dir) / encoder_name, layer=layer)
+        if name not in trained_folders:
             print(f"{name}: training {settings.steps} steps", flush=True)
             folder = Path(args.out) / name.replace(" ", "-").replace("%", "pct")
             model = folder / "model"
