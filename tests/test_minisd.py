@@ -200,13 +200,17 @@ def test_the_shipped_model_was_trained_by_the_defaults():
     assert shipped["place_embeddings"]
 
 
-def test_every_ablation_row_is_selectable_and_changes_one_thing():
+def ablation_script():
     import importlib.util
 
-    script = Path(__file__).parent.parent / "scripts" / "ablate_minisd.py"
-    spec = importlib.util.spec_from_file_location("ablate_minisd", script)
+    spec = importlib.util.spec_from_file_location("ablate_minisd", REPO / "scripts" / "ablate_minisd.py")
     ablate = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ablate)
+    return ablate
+
+
+def test_every_ablation_row_is_selectable_and_changes_one_thing():
+    ablate = ablation_script()
     assert ",".join(ablate.ROWS).split(",") == list(ablate.ROWS)  # --rows is comma-separated
     sd = TrainSettings(steps=1600, zero_terminal_snr=False, place_embeddings=False, timestep_bias=1.0)  # SD 1.x's recipe
     baseline, config, encoder, layer = ablate.row_settings("baseline", 1600)
@@ -230,12 +234,9 @@ def test_every_ablation_row_is_selectable_and_changes_one_thing():
 
 
 def test_an_ablation_row_is_judged_from_a_model_trained_with_its_settings_only(bert, tmp_path):
-    import importlib.util
     from dataclasses import asdict
 
-    spec = importlib.util.spec_from_file_location("ablate_minisd", REPO / "scripts" / "ablate_minisd.py")
-    ablate = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ablate)
+    ablate = ablation_script()
     settings, config = _settings(), micro_config(bert.width)
     train(tmp_path / "model", bert, settings, config, cache_dir=None, progress=False)
     record = {"settings": asdict(settings), "unet": config, "text_encoder": Path(bert.source).name, "layer": "last"}
@@ -263,6 +264,16 @@ def test_an_ablation_row_is_judged_from_a_model_trained_with_its_settings_only(b
     for text in ("baseline", "baseline="):
         with pytest.raises(argparse.ArgumentTypeError, match="is not ROW=FOLDER"):
             ablate.row_and_folder(text)
+
+
+def test_trained_without_rows_runs_only_its_row(tmp_path, monkeypatch, capsys):
+    # every other row, unjudged in a fresh JSON, would load its encoder (absent here) and train
+    results = tmp_path / "ablation.json"
+    monkeypatch.setattr("sys.argv", ["ablate_minisd.py", "--json", str(results), "--encoders-dir", str(tmp_path),
+                                     "--trained", f"context 77={tmp_path / 'nothing'}"])  # fmt: skip
+    assert ablation_script().main() == 2
+    assert capsys.readouterr().err.startswith(f"context 77: {tmp_path / 'nothing'}: not a mini SD folder")
+    assert not results.exists()
 
 
 def test_a_bert_encoders_penultimate_layer_is_its_second_last_hidden_state(bert, tmp_path):
