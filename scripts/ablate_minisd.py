@@ -141,8 +141,10 @@ def main() -> int:
                         help="judge ROW from this model folder (trained with its settings) instead of training it")
     args = parser.parse_args()
     trained_folders = dict(args.trained)
-    # --trained alone judges its rows; running every other row too would start hours of training
-    rows = [r for r in args.rows.split(",") if r] if args.rows is not None else [] if trained_folders else list(ROWS)
+    if args.rows is not None:
+        rows = [r for r in args.rows.split(",") if r]
+    else:  # --trained alone judges its rows: every other row too would be hours of training
+        rows = [] if trained_folders else list(ROWS)
     rows += [r for r in trained_folders if r not in rows]  # a row given its model is a row asked for
     unknown = [r for r in rows if r not in ROWS]
     if unknown:

@@ -283,6 +283,14 @@ def peak_rss(fn):
     return result, (kib("VmHWM") - baseline) * 1024
 
 
+def synchronize(device) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously): before reading a clock or a peak."""
+    if str(device).startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
 def format_table(headers: Sequence[str], rows: Sequence[Sequence], title: str | None = None) -> str:
     """A plain text table: first column left-aligned, the others right-aligned."""
     cells = [[str(h) for h in headers]] + [[_cell(v) for v in row] for row in rows]

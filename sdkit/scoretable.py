@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from .common import SdkitError, available_memory, format_bytes, format_table, peak_rss
+from .common import SdkitError, available_memory, format_bytes, format_table, peak_rss, synchronize
 from .geometry import VAE_FACTOR, halved, image_factor
 
 SWEEP_SCALES = (0.5, 1, 1.5, 2, 4)  # of the requested sides, so the sweep keeps its aspect ratio
@@ -331,11 +331,6 @@ def _inputs(tokens: int, heads: int, head_dim: int, dtype: str, device: str, see
     return qkv
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
-
-
 def _measure_here(implementation: str, tokens: int, heads: int, head_dim: int, dtype: str, device: str,
                   rows: int, repeats: int) -> tuple[torch.Tensor, int, float]:  # fmt: skip
     """Run one implementation in this process: (output, peak bytes above baseline, median seconds).
@@ -354,7 +349,7 @@ def _measure_here(implementation: str, tokens: int, heads: int, head_dim: int, d
     def first_run():
         q, k, v = _inputs(tokens, heads, head_dim, dtype, device)
         out = run_implementation(implementation, q, k, v, rows)
-        _sync(device)
+        synchronize(device)
         return q, k, v, out
 
     if device.startswith("cuda"):
@@ -370,7 +365,7 @@ def _measure_here(implementation: str, tokens: int, heads: int, head_dim: int, d
         del out
         start = time.perf_counter()
         out = run_implementation(implementation, q, k, v, rows)
-        _sync(device)
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return out, peak, statistics.median(times)
 
