@@ -157,8 +157,9 @@ def main() -> int:
         record = {"settings": asdict(settings), "unet": config, "text_encoder": encoder_name, "count": args.count,
                   "layer": layer}  # fmt: skip
         done = results["rows"].get(name)
-        # rows judged before the layer was a choice read the last one, and record none
-        if done and all(done.get(k, "last" if k == "layer" else None) == v for k, v in record.items() if k != "settings") and \
+        # rows judged before the layer was a choice read the last one, and record none; a row given
+        # its model with --trained is judged again from that model, as asked
+        if done and name not in trained_folders and all(done.get(k, "last" if k == "layer" else None) == v for k, v in record.items() if k != "settings") and \
                 same_recipe(done["settings"], record["settings"]):
             print(f"{name}: already judged, kept", flush=True)
             continue

@@ -276,6 +276,22 @@ def test_trained_without_rows_runs_only_its_row(tmp_path, monkeypatch, capsys):
     assert not results.exists()
 
 
+def test_trained_judges_an_already_judged_row_again_from_its_folder(tmp_path, monkeypatch, capsys):
+    from dataclasses import asdict
+
+    ablate = ablation_script()
+    settings, config, encoder, layer = ablate.row_settings("context 77", 1600)
+    results = tmp_path / "ablation.json"
+    judged = {"settings": asdict(settings), "unet": config, "text_encoder": encoder, "count": 64, "layer": layer}
+    results.write_text(json.dumps({"rows": {"context 77": judged}}))
+    # the folder is read (it used to be passed over with "already judged, kept"): not a model, so refused
+    monkeypatch.setattr("sys.argv", ["ablate_minisd.py", "--json", str(results), "--encoders-dir", str(tmp_path),
+                                     "--trained", f"context 77={tmp_path / 'nothing'}"])  # fmt: skip
+    assert ablation_script().main() == 2
+    assert capsys.readouterr().err.startswith(f"context 77: {tmp_path / 'nothing'}: not a mini SD folder")
+    assert json.loads(results.read_text()) == {"rows": {"context 77": judged}}
+
+
 def test_a_bert_encoders_penultimate_layer_is_its_second_last_hidden_state(bert, tmp_path):
     # SD 2.x's choice: CLIP needs its final norm applied; a BERT layer ends in its own norm already
     from sdkit.encoders import load_text_encoder
