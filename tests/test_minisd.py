@@ -231,6 +231,8 @@ def test_every_ablation_row_is_selectable_and_changes_one_thing():
     assert ablate.row_settings(f"{shipped} 3600 steps", 1600)[0] == replace(TrainSettings(), steps=3600)
     assert ablate.row_settings(f"{shipped} 3600 steps constant lr", 1600)[0] == \
         replace(TrainSettings(), steps=3600, lr_schedule="constant")  # fmt: skip
+    assert ablate.row_settings("zero terminal SNR + place embeddings + later timesteps x3 3600 steps", 1600)[0] == \
+        replace(TrainSettings(), steps=3600, timestep_bias=3.0)  # fmt: skip
 
 
 def test_an_ablation_row_is_judged_from_a_model_trained_with_its_settings_only(bert, tmp_path):
