@@ -289,7 +289,7 @@ def test_trained_judges_an_already_judged_row_again_from_its_folder(tmp_path, mo
     # the folder is read (it used to be passed over with "already judged, kept"): not a model, so refused
     monkeypatch.setattr("sys.argv", ["ablate_minisd.py", "--json", str(results), "--encoders-dir", str(tmp_path),
                                      "--trained", f"context 77={tmp_path / 'nothing'}"])  # fmt: skip
-    assert ablation_script().main() == 2
+    assert ablate.main() == 2
     assert capsys.readouterr().err.startswith(f"context 77: {tmp_path / 'nothing'}: not a mini SD folder")
     assert json.loads(results.read_text()) == {"rows": {"context 77": judged}}
 
