@@ -176,11 +176,11 @@ def register(sub) -> None:
         encoder_options(q)
         add_json(q)
 
-    q = add_subcommand(minisd_sub, "train", "train a mini SD (the shipped recipe: 40-95 min on 2 CPU cores)")
+    q = add_subcommand(minisd_sub, "train", "train a mini SD (the shipped recipe: 23-55 min on 2 CPU cores)")
     q.add_argument("--out", default="out/minisd",
                    help="save the model folder here: a new or empty folder, or a mini SD folder, whose model is "
                         "replaced (other files in it are kept); the shipped model is weights/minisd")  # fmt: skip
-    q.add_argument("--steps", type=positive_int, default=6000, help="optimizer steps")
+    q.add_argument("--steps", type=positive_int, default=3600, help="optimizer steps")
     q.add_argument("--batch-size", type=positive_int, default=32, help="images per step")
     q.add_argument("--lr", type=positive_float, default=1e-3, help="peak learning rate")
     q.add_argument("--lr-schedule", choices=("cosine", "constant"), default="cosine",
@@ -209,9 +209,9 @@ def register(sub) -> None:
                         "default 0: off)")  # fmt: skip
     q.add_argument("--swap-from", type=nonnegative_int, default=600, metavar="T",
                    help="... only at timesteps T or more (of 1000; default 600)")
-    q.add_argument("--timestep-bias", type=positive_float, default=9.0, metavar="M",
+    q.add_argument("--timestep-bias", type=positive_float, default=3.0, metavar="M",
                    help="draw timesteps of T or more M times as often as the others (diffusers' 'later' timestep "
-                        "bias; default 9; 1: uniform, SD's recipe)")  # fmt: skip
+                        "bias; default 3; 1: uniform, SD's recipe)")  # fmt: skip
     q.add_argument("--timestep-bias-from", type=nonnegative_int, default=900, metavar="T",
                    help="... T, of 1000 (default 900)")
     q.add_argument("--layer", choices=LAYERS, default="last",

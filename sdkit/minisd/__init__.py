@@ -23,11 +23,11 @@ def explanation(model: str = "weights/minisd", encoders_dir: str = "weights/enco
 An SD-1.x-shaped U-Net (cross-attention down/up blocks, GEGLU feed-forward, a cross-attention mid
 block; with place embeddings before its attentions) that denoises 32x32 RGB pixels directly (no
 VAE), reading the token states of the frozen, pretrained all-MiniLM-L6-v2 encoder (384 wide). It
-is trained here (zero terminal SNR, v-prediction, the noisiest timesteps drawn 9x as often), on
+is trained here (zero terminal SNR, v-prediction, the noisiest timesteps drawn 3x as often), on
 captioned images of one or two coloured shapes whose masks are known, so attention maps and
 generated images can be scored.
 
-  sdkit minisd train                      train (the shipped model: the defaults, 40-95 min on 2 CPU cores)
+  sdkit minisd train                      train (the shipped model: the defaults, 23-55 min on 2 CPU cores)
   sdkit minisd sample "a red circle at the top left" --seeds 8 --out grid.png
   sdkit minisd eval --panel panel.png     judge generated images, against floors
 
