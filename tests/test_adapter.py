@@ -149,6 +149,23 @@ def test_comparison_against_baselines(tiny_pair, tiny_unet, tmp_path):
     assert max(len(line) for line in text.splitlines()) <= 120
 
 
+def test_the_unet_error_ignores_what_an_adapter_writes_where_the_unet_reads_nothing(tiny_unet):
+    from sdkit.adapter import unet_noise_error
+
+    # A masked encoder's states: three prompts of 3, 5 and 8 tokens, zeros past them (as the U-Net saw
+    # in training). The adapter gets every state right but writes garbage at the padding, where
+    # adapted_embeddings zeroes it before any U-Net reads it.
+    generator = torch.Generator().manual_seed(0)
+    read = torch.arange(8) < torch.tensor([[3], [5], [8]])
+    true = torch.randn(3, 8, 768, generator=generator) * read.unsqueeze(-1)
+    predicted = torch.where(read.unsqueeze(-1), true, torch.randn(3, 8, 768, generator=generator))
+    empty = torch.zeros(1, 8, 768)
+    kept = unet_noise_error(tiny_unet, predicted, true, empty, read, timesteps=(500,), seeds=(0,))
+    assert kept["unet_rel_error"].tolist() == [0.0, 0.0, 0.0]  # the states it reads are the true ones
+    garbage = unet_noise_error(tiny_unet, predicted, true, empty, timesteps=(500,), seeds=(0,))
+    assert (garbage["unet_rel_error"][:2] > 0.01).all() and garbage["unet_rel_error"][2] == 0.0
+
+
 def test_bootstrap_verdict_needs_separated_intervals():
     from sdkit.adapter import AdapterReport, bootstrap_intervals, compare_methods
     from sdkit.adapter.evaluation import _aggregate

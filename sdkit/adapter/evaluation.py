@@ -100,14 +100,20 @@ def token_metrics(pred: torch.Tensor, data: EncodedPrompts, train_mean: torch.Te
 
 @torch.no_grad()
 def unet_noise_error(unet, predicted: torch.Tensor, true: torch.Tensor, empty: torch.Tensor,
-                     timesteps=(100, 500, 900), seeds=(0, 1), reference_cache: dict | None = None) -> dict:  # fmt: skip
+                     read: torch.Tensor | None = None, timesteps=(100, 500, 900), seeds=(0, 1),
+                     reference_cache: dict | None = None) -> dict:  # fmt: skip
     """Relative error of the U-Net's noise prediction with adapted states against old-encoder states,
     per prompt (a (prompts,) tensor for each ratio).
 
     Two ratios, averaged over prompts, timesteps and seeds: ||e_adapted - e_old|| / ||e_old||, and
     the same error against what the text changes at all, ||e_old - e_empty|| (e_empty: the old
     encoder's empty prompt), which is the part of the prediction the text is responsible for.
+    `read` (prompts, tokens), true where the U-Net reads a state: elsewhere the adapted states are
+    zeroed, as adapted_embeddings gives them to a U-Net (a masked encoder leaves zeros past the
+    prompt, and a U-Net trained on it attends to those zeros as to nothing).
     """
+    if read is not None:
+        predicted = predicted * read.unsqueeze(-1).to(predicted.dtype)
     param = next(unet.parameters())
     side = unet.config.sample_size
     to_unet = lambda s: s.to(param.device, param.dtype)  # noqa: E731
@@ -227,7 +233,8 @@ def compare_adapters(new: TextEncoder, old: TextEncoder, prompts: list[str], kin
         report.methods[method] = _aggregate(parts)
         report.methods[method]["interval"] = bootstrap_intervals(parts, seed=seed)
         if unet is not None:
-            unet_parts = unet_noise_error(unet, pred[:count], test.old[:count].float(), empty, reference_cache=references)
+            unet_parts = unet_noise_error(unet, pred[:count], test.old[:count].float(), empty, test.read[:count],
+                                          reference_cache=references)  # fmt: skip
             report.methods[method].update(_aggregate(unet_parts))
             report.methods[method]["interval"].update(bootstrap_intervals(unet_parts, seed=seed))
     if out_dir:
