@@ -3,8 +3,8 @@
 Every row is SD 1.x's recipe (TrainSettings at --steps, less the three departures the shipped
 recipe makes: SD_RECIPE) with one change, trained from the same seed on the same data stream for the
 same number of steps (rows named with their steps excepted: 6,000, the budget of the models shipped
-before, and 3,600, the hour the issue allows) and judged on the same prompts and seeds: 64 single objects and 64 pairs, DDIM 25 steps,
-guidance 4, with 95 % bootstrap intervals over prompts. Rows:
+before, and 3,600, the hour the issue allows) and judged on the same prompts and seeds: 64 single
+objects and 64 pairs, DDIM 25 steps, guidance 4, with 95 % bootstrap intervals over prompts. Rows:
 
     baseline            SD 1.x's recipe at --steps (1,600: the budget of the earlier, slower loop)
     6000 steps          the same at 6,000 steps: the model shipped until the recipe below

@@ -595,8 +595,8 @@ def test_freed_memory_is_reused_inside_training_and_returned_after():
 
     with freed_memory_kept():
         faults_of_a_second_allocation()
-        # By default, the 4,096 pages of a fresh mapping every time. Once in a CI run the heap could
-        # not take the block (4,095 faults, the setting in place): a fresh try is not that failure.
+        # By default, the 4,096 pages of a fresh mapping every time. Once in a CI run one try faulted
+        # 4,095 pages with the setting in place (cause not found); the next tries are the measurement.
         assert min(faults_of_a_second_allocation() for _ in range(3)) < 100
         kept = resident()
     assert kept - resident() > 12 << 20  # the freed 16 MiB handed back on the way out
