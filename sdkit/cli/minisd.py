@@ -7,6 +7,7 @@ import os
 from dataclasses import asdict
 
 from ..common import SdkitError
+from ..minisd import SHIPPED_TRAINING_TIME
 from .common import (CACHE_DEFAULT, CACHE_HELP, LAYERS, MODEL_MARKER, Parser, add_json, add_subcommand, cache_folder, check_input, check_outputs, nonnegative_float, nonnegative_int,
                      phase, positive_float, positive_int, progress_bar, refuse_options, seed, show_result,
                      steering_objectives)  # fmt: skip
@@ -176,7 +177,7 @@ def register(sub) -> None:
         encoder_options(q)
         add_json(q)
 
-    q = add_subcommand(minisd_sub, "train", "train a mini SD (the shipped recipe: 23-55 min on 2 CPU cores)")
+    q = add_subcommand(minisd_sub, "train", f"train a mini SD (the shipped recipe: {SHIPPED_TRAINING_TIME})")
     q.add_argument("--out", default="out/minisd",
                    help="save the model folder here: a new or empty folder, or a mini SD folder, whose model is "
                         "replaced (other files in it are kept); the shipped model is weights/minisd")  # fmt: skip

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+# 23-28 min at bench_minisd's bfloat16 rates with AMX, 55 measured in float32 without (README "Speed").
+SHIPPED_TRAINING_TIME = "23-55 min on 2 CPU cores"
+
 
 def explanation(model: str = "weights/minisd", encoders_dir: str = "weights/encoders") -> str:
     have_model = (Path(model) / "minisd.json").is_file()
@@ -27,7 +30,7 @@ is trained here (zero terminal SNR, v-prediction, the noisiest timesteps drawn 3
 captioned images of one or two coloured shapes whose masks are known, so attention maps and
 generated images can be scored.
 
-  sdkit minisd train                      train (the shipped model: the defaults, 23-55 min on 2 CPU cores)
+  sdkit minisd train                      train (the shipped model: the defaults, {SHIPPED_TRAINING_TIME})
   sdkit minisd sample "a red circle at the top left" --seeds 8 --out grid.png
   sdkit minisd eval --panel panel.png     judge generated images, against floors
 
