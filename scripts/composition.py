@@ -17,7 +17,8 @@ Writes to MODEL/findings/ and prints each table:
                                seeds as unsteered sampling (singles and pairs), with 95 % intervals;
                                the best of them also on the held-out pairs
   composition.png              the same seeds unsteered and steered, with both objects' shape-word maps
-Needs the real encoders (python scripts/get_real_encoders.py). About 37 minutes on 2 CPU cores.
+Needs the real encoders (python scripts/get_real_encoders.py). The steering part alone took 38
+minutes on 2 CPU cores; a stopped run started again goes on from its next steering row.
 """
 
 import argparse
@@ -121,7 +122,7 @@ def draw_leakage(on_generator, on_generated, path) -> None:
 
 
 def steering(pipe, model: str, count: int, scale: float, steps: int, out: Path) -> dict:
-    # A row takes about 8 minutes on 2 CPU cores: each finished row is kept in a partial file, so a
+    # A row takes up to 8 minutes on 2 CPU cores: each finished row is kept in a partial file, so a
     # stopped run started again on the same weights and settings goes on from the next row.
     weights = Path(model) / "unet" / "diffusion_pytorch_model.safetensors"
     header = {"model": model, "weights_sha256": hashlib.sha256(weights.read_bytes()).hexdigest(), "count": count,
