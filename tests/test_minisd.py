@@ -200,6 +200,15 @@ def test_the_shipped_model_was_trained_by_the_defaults():
     assert shipped["place_embeddings"]
 
 
+def test_the_pooled_twin_differs_from_the_shipped_model_in_its_conditioning_only():
+    # Findings 2 sets the twins' pairs side by side: any other difference in the recipe would be read as the
+    # conditioning's effect
+    shipped = json.loads((SHIPPED / "minisd.json").read_text())["training"]["settings"]
+    twin = json.loads((REPO / "weights" / "minisd-pooled" / "minisd.json").read_text())["training"]["settings"]
+    assert twin["conditioning"] == "pooled" and shipped["conditioning"] == "tokens"
+    assert {**twin, "conditioning": "tokens"} == shipped
+
+
 def ablation_script():
     import importlib.util
 
