@@ -141,7 +141,7 @@ def steering(pipe, model: str, count: int, scale: float, steps: int, out: Path) 
         ev = evaluate(pipe, ("singles", "pairs"), count, floors=False, model_name=model, steering=settings)
         print(format_evaluation(ev), flush=True)
         row = {"objectives": list(objectives), "steered": ev.results["model"], "unsteered": ev.results["unsteered"],
-               "intervals": ev.intervals, "seconds_per_image": ev.seconds_per_image,
+               "intervals": ev.intervals, "seconds_per_image": ev.seconds_per_image, "changed": ev.changed,
                "verdicts": ev.verdicts}  # fmt: skip
         rows.append(row)
         write_json(partial, {"header": header, "rows": rows})

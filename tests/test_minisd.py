@@ -484,6 +484,10 @@ def test_cli_guide_steers_sample_and_eval(micro_model, bert, cli, tmp_path):
     report = json.loads(out)
     assert report["steering"]["objectives"] == ["excite"] and set(report["seconds_per_image"]) == {"model", "unsteered"}
     assert set(report["results"]["unsteered"]) == {"pairs"}
+    # the paired count accounts for the difference between the two accuracies, image by image
+    changed, results = report["changed"]["pairs"], report["results"]
+    assert changed["fixed"] - changed["broken"] == round(2 * (results["model"]["pairs"]["all"] -
+                                                             results["unsteered"]["pairs"]["all"]))  # fmt: skip
     refusals = {("--guide-scale", "3"): "--guide-scale does not apply without --guide",
                 ("--guide", "repel"): "steering objectives are a comma-separated list of excite, bind, layout",
                 ("--guide", "excite", "--guide-layers", "bogus"): "no cross-attention layer 'bogus'"}  # fmt: skip

@@ -80,6 +80,9 @@ class Evaluation:
     scenes: dict[str, list[Scene]] = field(default_factory=dict, repr=False)
     steering: dict | None = None  # the settings the model's images were steered with (None: unsteered)
     seconds_per_image: dict[str, float] = field(default_factory=dict)  # "model" (and "unsteered" beside a steered one)
+    # per set, beside a steered run: images that steering made all right ("fixed") or all wrong ("broken"),
+    # prompt by prompt and seed by seed; the paired count says more than the two accuracies' intervals
+    changed: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -143,7 +146,9 @@ def evaluate(pipe: MiniSDPipeline, sets=SETS, count: int = 64, guidance_scale: f
             plain = pipe(captions, steps, guidance_scale, seeds=seeds, sampler=sampler, prompt_embeds=states,
                          progress=progress)  # fmt: skip
             timed["unsteered"] += time.perf_counter() - began
-            results["unsteered"][name] = judge_images(plain.images, set_scenes)[0]
+            results["unsteered"][name], plain_verdicts = judge_images(plain.images, set_scenes)
+            pairs = [(p.all, v.all) for p, v in zip(plain_verdicts, verdicts)]
+            ev.changed[name] = {"fixed": pairs.count((False, True)), "broken": pairs.count((True, False))}
         if floors:
             empty = pipe.encode([""]).expand(len(captions), -1, -1)
             blind = pipe(captions, steps, guidance_scale, seeds=seeds, sampler=sampler, prompt_embeds=empty, progress=progress)
@@ -176,6 +181,8 @@ def format_evaluation(ev: Evaluation) -> str:
         per = ev.seconds_per_image
         out.append(f"time per image: steered {per['model']:.2f} s, unsteered {per['unsteered']:.2f} s "
                    f"({per['model'] / max(per['unsteered'], 1e-9):.2f}x)")  # fmt: skip
+    for name, changed in ev.changed.items():
+        out.append(f"{name}, same prompts and seeds: steering fixed {changed['fixed']} and broke {changed['broken']}")
     return "\n".join(out)
 
 
