@@ -494,6 +494,8 @@ def test_cli_guide_steers_sample_and_eval(micro_model, bert, cli, tmp_path):
     for flags, message in refusals.items():
         code, _, err = cli("minisd", "sample", pair, *common, "--seeds", "1", *flags, "--out", tmp_path / "x.png")
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+    code, _, err = cli("minisd", "sample", pair, *common, "--out", "")
+    assert code == 2 and err.strip() == "sdkit minisd: error: --out is empty: name the PNG grid to write"
     code, _, err = cli("minisd", "sample", "a red thing", *common, "--guide", "excite", "--out", tmp_path / "x.png")
     assert code == 2 and "captions its generator writes" in err and not (tmp_path / "x.png").exists()
 
