@@ -469,6 +469,22 @@ def test_cli_sample_and_eval(micro_model, bert, cli, tmp_path):
     assert code == 2 and "no such file" in err
 
 
+def test_changed_by_steering_counts_images_by_prompt_and_seed():
+    from sdkit.minisd.evaluate import changed_by_steering
+    from sdkit.minisd.judge import Verdict
+
+    right, wrong, extra = Verdict(True, True, True, False, []), Verdict(False, True, True, False, []), \
+        Verdict(True, True, True, True, [])  # fmt: skip
+    # 3 right unsteered, 3 right steered: equal accuracies, yet one image fixed and one broken
+    unsteered = [right, right, wrong, extra, right]
+    steered = [right, wrong, right, wrong, right]
+    assert changed_by_steering(unsteered, steered) == {"fixed": 1, "broken": 1}
+    assert changed_by_steering(steered, unsteered) == {"fixed": 1, "broken": 1}
+    assert changed_by_steering([wrong, extra], [right, right]) == {"fixed": 2, "broken": 0}
+    with pytest.raises(ValueError):
+        changed_by_steering([right], [right, right])
+
+
 def test_cli_guide_steers_sample_and_eval(micro_model, bert, cli, tmp_path):
     common = ["--model", micro_model, "--text-encoder", bert.source, "--steps", "2"]
     pair = "a red circle to the left of a blue square"
@@ -495,7 +511,7 @@ def test_cli_guide_steers_sample_and_eval(micro_model, bert, cli, tmp_path):
         code, _, err = cli("minisd", "sample", pair, *common, "--seeds", "1", *flags, "--out", tmp_path / "x.png")
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1
     code, _, err = cli("minisd", "sample", pair, *common, "--out", "")
-    assert code == 2 and err.strip() == "sdkit minisd: error: --out is empty: name the PNG grid to write"
+    assert code == 2 and err.strip() == "sdkit minisd: error: --out is empty: name the path to write"
     code, _, err = cli("minisd", "sample", "a red thing", *common, "--guide", "excite", "--out", tmp_path / "x.png")
     assert code == 2 and "captions its generator writes" in err and not (tmp_path / "x.png").exists()
 

@@ -329,6 +329,10 @@ def check_outputs(args, files=(), pictures=(), folders=(), owned: dict | None = 
 
     from ..common import FIGURE_FORMATS
 
+    # An empty path given on purpose is not "no output": refused before the work, which would end on it
+    for flag in ("json_out", *files, *pictures, *folders, *(owned or {})):
+        if getattr(args, flag, None) == "":
+            raise SdkitError(f"--{flag.replace('_', '-')} is empty: name the path to write")
     if getattr(args, "json_out", None):
         check_output(args.json_out, "--json-out file", inputs=inputs)
     for flag in pictures:

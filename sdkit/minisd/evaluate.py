@@ -147,8 +147,7 @@ def evaluate(pipe: MiniSDPipeline, sets=SETS, count: int = 64, guidance_scale: f
                          progress=progress)  # fmt: skip
             timed["unsteered"] += time.perf_counter() - began
             results["unsteered"][name], plain_verdicts = judge_images(plain.images, set_scenes)
-            pairs = [(p.all, v.all) for p, v in zip(plain_verdicts, verdicts)]
-            ev.changed[name] = {"fixed": pairs.count((False, True)), "broken": pairs.count((True, False))}
+            ev.changed[name] = changed_by_steering(plain_verdicts, verdicts)
         if floors:
             empty = pipe.encode([""]).expand(len(captions), -1, -1)
             blind = pipe(captions, steps, guidance_scale, seeds=seeds, sampler=sampler, prompt_embeds=empty, progress=progress)
@@ -160,6 +159,13 @@ def evaluate(pipe: MiniSDPipeline, sets=SETS, count: int = 64, guidance_scale: f
     images = max(sum(ev.counts.values()), 1)
     ev.seconds_per_image = {k: v / images for k, v in timed.items()}
     return ev
+
+
+def changed_by_steering(unsteered: list, steered: list) -> dict[str, int]:
+    """Of images from the same prompt and seed, how many steering made all right ("fixed") and all
+    wrong ("broken")."""
+    pairs = [(before.all, after.all) for before, after in zip(unsteered, steered, strict=True)]
+    return {"fixed": pairs.count((False, True)), "broken": pairs.count((True, False))}
 
 
 def format_evaluation(ev: Evaluation) -> str:
