@@ -7,7 +7,7 @@ import os
 from dataclasses import asdict
 
 from ..common import SdkitError
-from ..minisd import SHIPPED_TRAINING_TIME
+from ..minisd import LR_SCHEDULES, PRECISIONS, SHIPPED_TRAINING_TIME
 from .common import (CACHE_DEFAULT, CACHE_HELP, LAYERS, MODEL_MARKER, Parser, add_json, add_subcommand, cache_folder, check_input, check_outputs, nonnegative_float, nonnegative_int,
                      phase, positive_float, positive_int, progress_bar, refuse_options, seed, show_result,
                      steering_objectives)  # fmt: skip
@@ -184,7 +184,7 @@ def register(sub) -> None:
     q.add_argument("--steps", type=positive_int, default=3600, help="optimizer steps")
     q.add_argument("--batch-size", type=positive_int, default=32, help="images per step")
     q.add_argument("--lr", type=positive_float, default=1e-3, help="peak learning rate")
-    q.add_argument("--lr-schedule", choices=("cosine", "constant"), default="cosine",
+    q.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="cosine",
                    help="after a 100-step warm-up: cosine decay to zero, or constant (SD 1.x's)")
     q.add_argument("--seed", type=seed, default=0, help="seed of the data stream, noise and initialisation")
     q.add_argument("--image-size", type=positive_int, default=32, help="image side in pixels (32 or 64)")
@@ -217,9 +217,9 @@ def register(sub) -> None:
                    help="... T, of 1000 (default 900)")
     q.add_argument("--layer", choices=LAYERS, default="last",
                    help="text-encoder layer the U-Net reads: last (SD 1.x) or penultimate (SD 2.x's choice)")
-    q.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
+    q.add_argument("--precision", choices=PRECISIONS, default="auto",
                    help="bf16: bfloat16 autocast on float32 weights; auto: bf16 where it is faster than float32 (a GPU "
-                        "that has it, a CPU with AMX), else fp32")  # fmt: skip
+                        "that has it; a CPU, as measured at the start: AMX, some AVX512-BF16), else fp32")  # fmt: skip
     q.add_argument("--no-compile", action="store_true", help="skip torch.compile (saves its ~1-2 min start; trains slower)")
     q.add_argument("--checkpoints", metavar="DIR", help="write (and resume from) a checkpoint here")
     q.add_argument("--checkpoint-every", type=positive_int, default=200, help="steps between checkpoints")

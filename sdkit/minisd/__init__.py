@@ -13,6 +13,9 @@ from pathlib import Path
 
 # 23-28 min at bench_minisd's bfloat16 rates with AMX, 55 measured in float32 without (README "Speed").
 SHIPPED_TRAINING_TIME = "23-55 min on 2 CPU cores"
+# train.py's choices, here so that the CLI offers them without importing torch
+PRECISIONS = ("auto", "bf16", "fp32")
+LR_SCHEDULES = ("cosine", "constant")
 
 
 def explanation(model: str = "weights/minisd", encoders_dir: str = "weights/encoders") -> str:
