@@ -3,19 +3,20 @@
 Both loops train the minisd preset on the same batches (the generator's images and captions, the
 same noise and timesteps). The plain loop is what a first training script does: float32, eager,
 forward, MSE, backward, AdamW step and nothing else. Ours is `sdkit.minisd.train.train` with its
-defaults (bfloat16 autocast where it is faster than float32, on a CPU as measured; bmm attention
-on the CPU, each Transformer2D block compiled, the parameters in one flat tensor for fused AdamW, clipping and EMA,
-freed memory kept for reuse), with everything a real run does besides (Min-SNR weighting, gradient
-clipping, EMA, logging). Each loop runs in a fresh process of its own, as a user's script would, so
-neither inherits the other's compiled code or allocator state. Samples/s are steady-state rates,
-measured after warm-up steps (for ours, after compilation, whose time is printed apart), in
-interleaved rounds. It prints both rates, their ratio and the machine's core count, then times one
-sampling call of 16 images (DDIM, 25 steps, guidance: 50 U-Net evaluations of a batch of 16).
+defaults (precision auto: float32 on a CPU, bfloat16 autocast on a GPU that has it; bmm attention
+on the CPU, each Transformer2D block compiled, the parameters in one flat tensor for fused AdamW,
+clipping and EMA, freed memory kept for reuse), with everything a real run does besides (Min-SNR
+weighting, gradient clipping, EMA, logging), and on a CPU also with `--precision bf16`. Each loop
+runs in a fresh process of its own, as a user's script would, so none inherits another's compiled
+code or allocator state. Samples/s are steady-state rates, measured after warm-up steps (for ours,
+after compilation, whose time is printed apart), in interleaved rounds. It prints the rates, the
+ratios and the machine's core count, then times one sampling call of 16 images (DDIM, 25 steps,
+guidance: 50 U-Net evaluations of a batch of 16).
 
 Both loops, and the sampling, run on the device train() runs on: the one accelerate picks (CUDA
 where present, else the CPU), so the ratio compares like with like on either.
 
-Needs the real text encoder (python scripts/get_real_encoders.py); about 6 minutes on 2 cores.
+Needs the real text encoder (python scripts/get_real_encoders.py); about 8 minutes on 2 cores.
 
     python scripts/bench_minisd.py [--steps 30] [--rounds 2]
 """
@@ -36,8 +37,8 @@ from sdkit.common import synchronize
 from sdkit.encoders import load_text_encoder
 from sdkit.minisd.data import all_captions
 from sdkit.minisd.pipeline import MiniSDPipeline
-from sdkit.minisd.train import (TrainSettings, batch_at, cpu_bfloat16_speedup, encode_captions, recipe_unet,
-                                scheduler_config, train, training_target)
+from sdkit.minisd.train import (TrainSettings, batch_at, encode_captions, recipe_unet, scheduler_config, train,
+                                training_target)
 from sdkit.presets import preset_config
 
 WARMUP = 25  # steps before the clock starts (ours: compilation happens in the first of them)
@@ -81,9 +82,9 @@ def training_device() -> torch.device:
     return PartialState().device
 
 
-def our_loop(encoder_path: str, steps: int, out: str) -> tuple[float, float, str]:
-    """(steady samples per second, seconds to the end of warm-up, the precision "auto" chose) of sdkit's own loop."""
-    settings = TrainSettings(steps=WARMUP + steps)
+def our_loop(encoder_path: str, steps: int, out: str, precision: str = "auto") -> tuple[float, float, str]:
+    """(steady samples per second, seconds to the end of warm-up, the precision it ran in) of sdkit's own loop."""
+    settings = TrainSettings(steps=WARMUP + steps, precision=precision)
     result = train(out, load_text_encoder(encoder_path), settings, cache_dir="weights/cache", progress=False)
     at = {h["step"]: h["seconds"] for h in result.history}  # a history entry every 25 steps
     return steps * settings.batch_size / (at[settings.steps] - at[WARMUP]), at[WARMUP], result.settings["precision"]
@@ -100,30 +101,41 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (median reported)")
     parser.add_argument("--encoder", default="weights/encoders/all-MiniLM-L6-v2")
     args = parser.parse_args()
-    print(f"expected duration: about {args.rounds * 2 + 2} minutes on 2 CPU cores", flush=True)
+    device = training_device()
+    # Where the defaults train in float32 (a CPU), ours also runs with --precision bf16: faster on
+    # some CPUs, at a cost in what the model learns (README "Speed").
+    precisions = ["auto", "bf16"] if device.type == "cpu" else ["auto"]
+    print(f"expected duration: about {args.rounds * (1 + len(precisions)) + 2} minutes on 2 CPU cores", flush=True)
     captions_of(load_text_encoder(args.encoder))  # encoded once into the cache both loops read
-    ours, plain, warmups = [], [], []
-    with tempfile.TemporaryDirectory() as tmp, tqdm(total=2 * args.rounds, desc="rounds", unit="loop") as bar:
+    plain = []
+    ours = {precision: {"rates": [], "warmups": []} for precision in precisions}
+    loops = args.rounds * (1 + len(precisions))
+    with tempfile.TemporaryDirectory() as tmp, tqdm(total=loops, desc="rounds", unit="loop") as bar:
         for r in range(args.rounds):
             plain.append(in_a_fresh_process(plain_loop, args.encoder, args.steps))
             bar.update(1)
-            rate, warmup, precision = in_a_fresh_process(our_loop, args.encoder, args.steps, f"{tmp}/run{r}")
-            ours.append(rate)
-            warmups.append(warmup)
-            bar.update(1)
-        pipe = MiniSDPipeline.from_pretrained(f"{tmp}/run0", text_encoder=args.encoder)
-    ours_s, plain_s = statistics.median(ours), statistics.median(plain)
+            for precision, runs in ours.items():
+                rate, warmup, runs["ran_in"] = in_a_fresh_process(our_loop, args.encoder, args.steps,
+                                                                  f"{tmp}/{precision}{r}", precision)  # fmt: skip
+                runs["rates"].append(rate)
+                runs["warmups"].append(warmup)
+                bar.update(1)
+        pipe = MiniSDPipeline.from_pretrained(f"{tmp}/auto0", text_encoder=args.encoder)
+    plain_s = statistics.median(plain)
     settings = TrainSettings()
     amx = "with" if torch.cpu._is_amx_tile_supported() else "without"
-    device = training_device()
-    bf16 = f", bfloat16 {cpu_bfloat16_speedup():.2f}x float32 (convolution + matmul)" if device.type == "cpu" else ""
     on = f", on {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""
     print(f"\ntraining, batch {settings.batch_size}, {args.steps} timed steps x {args.rounds} rounds (median), "
-          f"{os.cpu_count()} CPU cores {amx} AMX{bf16}{on}, torch {torch.__version__}:")
-    print(f"  sdkit minisd train: {ours_s:7.1f} samples/s  (defaults: precision auto = {precision}, compile; Min-SNR, "
-          f"EMA, clipping, logging; first 25 steps incl. compilation: {statistics.median(warmups):.0f} s)")
-    print(f"  plain eager loop:   {plain_s:7.1f} samples/s  (float32, eager, MSE, AdamW)")
-    print(f"  ratio ours / plain: {ours_s / plain_s:.2f}")
+          f"{os.cpu_count()} CPU cores {amx} AMX{on}, torch {torch.__version__}:")
+    for precision, runs in ours.items():
+        name = "sdkit minisd train" + ("" if precision == "auto" else f" --precision {precision}")
+        print(f"  {name + ':':35s} {statistics.median(runs['rates']):7.1f} samples/s  (precision {precision} = "
+              f"{runs['ran_in']}, compile; Min-SNR, EMA, clipping, logging; first 25 steps incl. compilation: "
+              f"{statistics.median(runs['warmups']):.0f} s)")
+    print(f"  {'plain eager loop:':35s} {plain_s:7.1f} samples/s  (float32, eager, MSE, AdamW)")
+    for precision, runs in ours.items():
+        name = "defaults" if precision == "auto" else f"--precision {precision}"
+        print(f"  ratio ours ({name}) / plain: {statistics.median(runs['rates']) / plain_s:.2f}")
     prompts = ["a red circle at the top left"] * 16
     pipe.unet.to(device)
     pipe(prompts[:2], num_inference_steps=2, seeds=[0, 1])  # warm-up

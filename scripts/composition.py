@@ -152,7 +152,8 @@ def steering(pipe, model: str, count: int, scale: float, steps: int, out: Path) 
     ev = evaluate(pipe, ("held_out_pairs",), count, floors=False, model_name=model, steering=settings)
     print(format_evaluation(ev), flush=True)
     held_out = {"steered": ev.results["model"]["held_out_pairs"],
-                "unsteered": ev.results["unsteered"]["held_out_pairs"], "intervals": ev.intervals["held_out_pairs"]}
+                "unsteered": ev.results["unsteered"]["held_out_pairs"], "intervals": ev.intervals["held_out_pairs"],
+                "changed": ev.changed["held_out_pairs"]}
     result = {"model": model, "count": count, "scale": scale, "steps": steps, "sampler": "ddim", "sampling_steps": 25,
               "guidance_scale": 4.0, "rows": rows, "best": best["objectives"],
               "best_on_held_out_pairs": held_out}  # fmt: skip

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-# 23-28 min at bench_minisd's bfloat16 rates with AMX, 55 measured in float32 without (README "Speed").
-SHIPPED_TRAINING_TIME = "23-55 min on 2 CPU cores"
+# In float32, the default on a CPU: 55 min measured on a Xeon; 48 at bench_minisd's 40.5 samples/s
+# on an AMD EPYC (README "Speed").
+SHIPPED_TRAINING_TIME = "48-55 min on 2 CPU cores"
 # train.py's choices, here so that the CLI offers them without importing torch
 PRECISIONS = ("auto", "bf16", "fp32")
 LR_SCHEDULES = ("cosine", "constant")

@@ -14,7 +14,6 @@ the very same weights as a run that never stopped.
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import json
 import math
@@ -101,7 +100,7 @@ class TrainSettings:
     timestep_bias_from: int = 900
     seed: int = 0
     # "bf16": torch's autocast (bfloat16 convolutions and matmuls on float32 weights); "fp32";
-    # "auto": bf16 where the device computes it faster than float32 (resolve_precision), else fp32.
+    # "auto": bf16 on a GPU that has it, fp32 on a CPU (resolve_precision).
     # Either is the weights' recipe: part of the fingerprint.
     precision: str = "auto"
     compile: bool = True  # torch.compile each Transformer2D block (see compile_blocks): ~1.2x here, after ~30 s
@@ -148,45 +147,17 @@ def recorded_settings(recorded: dict) -> dict:
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
-    """ "auto" -> "bf16" where the device computes bfloat16 faster than float32, else "fp32"."""
+    """ "auto" -> "bf16" on a GPU that computes it, "fp32" on a CPU (see the comment)."""
     if precision != "auto":
         return precision
     if device.type == "cuda":
         return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
-    if device.type == "cpu":
-        # No CPU flag says it. AMX runs bfloat16 3-7x faster than float32; a Xeon whose hypervisor
-        # hid AMX but showed AVX512-BF16 ran it slower (matmuls 143 against 249 GFLOP/s, a step of
-        # the mini SD 1.2 s against 1.1 s); an AMD EPYC with AVX512-BF16 and no AMX runs it about
-        # twice as fast (a step 0.50 s against 0.76 s). So it is measured, with a margin far from
-        # both kinds, so that a machine decides the same way every time.
-        return "bf16" if cpu_bfloat16_speedup() >= BFLOAT16_MARGIN else "fp32"
+    # On a CPU, float32: the precision every model of the shipped recipe was trained and judged in.
+    # bfloat16 is faster on some CPUs (AMX; an AMD EPYC's AVX512-BF16: 1.77x a plain loop, where
+    # float32 is 1.10x) and slower on others (a Xeon showing AVX512-BF16 without AMX), and the
+    # shipped recipe's two bfloat16 runs drew 42 and 23 % of pairs (seeds 0 and 1) against the
+    # float32 run's 70 % (seed 0; README "Speed").
     return "fp32"
-
-
-BFLOAT16_MARGIN = 1.25
-
-
-@functools.cache
-def cpu_bfloat16_speedup() -> float:
-    """How many times faster this CPU runs a 3x3 convolution and a matmul of the mini SD's sizes in
-    bfloat16 than in float32 (best of ten runs each; about 0.1 s). Measured once per process."""
-    seconds_each = []
-    for dtype in (torch.float32, torch.bfloat16):
-        generator = torch.Generator().manual_seed(0)
-        pixels = torch.randn(32, 64, 16, 16, generator=generator).to(dtype)
-        kernel = torch.randn(64, 64, 3, 3, generator=generator).to(dtype)
-        rows, columns = torch.randn(8192, 64, generator=generator).to(dtype), torch.randn(64, 256, generator=generator).to(dtype)
-        seconds = 0.0
-        for work in (lambda: F.conv2d(pixels, kernel, padding=1), lambda: rows @ columns):
-            work()
-            runs = []
-            for _ in range(10):
-                began = time.perf_counter()
-                work()
-                runs.append(time.perf_counter() - began)
-            seconds += min(runs)
-        seconds_each.append(seconds)
-    return seconds_each[0] / seconds_each[1]
 
 
 # --- caption states, encoded once ----------------------------------------------------------------
