@@ -237,6 +237,8 @@ def test_every_ablation_row_is_selectable_and_changes_one_thing():
     assert ablate.row_settings(f"{recipe} x3 3600 steps", 1600)[0] == TrainSettings()
     # ... in bfloat16, from another seed, and both
     assert ablate.row_settings(f"{recipe} x3 3600 steps bfloat16", 1600)[0] == TrainSettings(precision="bf16")
+    assert ablate.row_settings(f"{recipe} x3 3600 steps bfloat16 float32 ends", 1600)[0] == \
+        TrainSettings(precision="bf16-fp32-ends")  # fmt: skip
     assert ablate.row_settings(f"{recipe} x3 3600 steps seed 1", 1600)[0] == TrainSettings(seed=1)
     assert ablate.row_settings(f"{recipe} x3 3600 steps seed 1 bfloat16", 1600)[0] == TrainSettings(seed=1, precision="bf16")
     # the recipe shipped before it, with three times the bias, at the rows' budget and others
@@ -342,7 +344,7 @@ def _settings(**kw):
     return TrainSettings(**{"steps": 2, "batch_size": 4, "warmup_steps": 1, "compile": False, **kw})
 
 
-@pytest.mark.parametrize("precision,compile", [("bf16", False), ("fp32", False),
+@pytest.mark.parametrize("precision,compile", [("bf16", False), ("bf16-fp32-ends", False), ("fp32", False),
                                                pytest.param("auto", True, marks=pytest.mark.slow)])  # fmt: skip
 def test_training_saves_resumes_and_reloads_bit_exactly(bert, tmp_path, precision, compile):
     config = micro_config(bert.width)
@@ -386,6 +388,26 @@ def test_auto_precision_is_float32_on_any_cpu(monkeypatch):
     assert resolve_precision("auto", torch.device("cpu")) == "fp32"
     assert resolve_precision("fp32", torch.device("cpu")) == "fp32"
     assert resolve_precision("bf16", torch.device("cpu")) == "bf16"
+
+
+def test_ends_in_float32_runs_the_first_and_last_layers_in_float32_under_autocast(bert):
+    from sdkit.minisd.train import ends_in_float32
+    from sdkit.presets import build_unet
+
+    def output_dtypes(unet):
+        dtypes = {}
+        for name in ("conv_in", "time_embedding", "conv_norm_out", "conv_out", "down_blocks.0.resnets.0.conv1"):
+            unet.get_submodule(name).register_forward_hook(lambda m, a, out, name=name: dtypes.__setitem__(name, out.dtype))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            unet(torch.randn(2, 3, 32, 32), torch.tensor([10, 900]), torch.randn(2, 5, bert.width)).sample.sum().backward()
+        return dtypes
+
+    unet = build_unet(micro_config(bert.width), weights="random", seed=0)
+    assert set(output_dtypes(unet).values()) == {torch.bfloat16}
+    ends_in_float32(unet)
+    dtypes = output_dtypes(unet)
+    assert dtypes.pop("down_blocks.0.resnets.0.conv1") == torch.bfloat16  # the rest: bfloat16's speed
+    assert set(dtypes.values()) == {torch.float32}
 
 
 @pytest.mark.slow  # compiles two levels' blocks: about a minute

@@ -15,7 +15,7 @@ from pathlib import Path
 # on an AMD EPYC (README "Speed").
 SHIPPED_TRAINING_TIME = "48-55 min on 2 CPU cores"
 # train.py's choices, here so that the CLI offers them without importing torch
-PRECISIONS = ("auto", "bf16", "fp32")
+PRECISIONS = ("auto", "bf16", "bf16-fp32-ends", "fp32")
 LR_SCHEDULES = ("cosine", "constant")
 
 
