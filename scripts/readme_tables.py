@@ -134,22 +134,27 @@ def steering_table() -> str:
     def judged(pairs) -> list[str]:
         return [pct(pairs["colour"]), pct(pairs["shape"]), pct(pairs["extra"]), pct(pairs["position_if_bound"])]
 
+    def fixed_broken(changed) -> str:
+        return f"{changed['fixed']} / {changed['broken']}"
+
     data = load("steering")
     plain = data["rows"][0]["unsteered"]
-    rows = [["unsteered", *judged(plain["pairs"]), f"**{pct(plain['pairs']['all'])}**", pct(plain["singles"]["all"]),
-             "1.00x"]]  # fmt: skip
+    rows = [["unsteered", *judged(plain["pairs"]), f"**{pct(plain['pairs']['all'])}**", "-",
+             pct(plain["singles"]["all"]), "1.00x"]]  # fmt: skip
     for row in data["rows"]:
         pairs, singles, per = row["steered"]["pairs"], row["steered"]["singles"], row["seconds_per_image"]
         rows.append(["+".join(row["objectives"]), *judged(pairs),
-                     f"**{pct(pairs['all'])}** {interval(row['intervals']['pairs']['all'])}", pct(singles["all"]),
+                     f"**{pct(pairs['all'])}** {interval(row['intervals']['pairs']['all'])}",
+                     fixed_broken(row["changed"]["pairs"]), pct(singles["all"]),
                      f"{per['model'] / per['unsteered']:.2f}x"])  # fmt: skip
     held_out = data["best_on_held_out_pairs"]
     plain, steered = held_out["unsteered"], held_out["steered"]
-    rows.append(["unsteered, held-out pairs", *judged(plain), f"**{pct(plain['all'])}**", "-", "-"])
+    rows.append(["unsteered, held-out pairs", *judged(plain), f"**{pct(plain['all'])}**", "-", "-", "-"])
     rows.append([f"{'+'.join(data['best'])}, held-out pairs", *judged(steered),
-                 f"**{pct(steered['all'])}** {interval(held_out['intervals']['all'])}", "-", "-"])  # fmt: skip
+                 f"**{pct(steered['all'])}** {interval(held_out['intervals']['all'])}", fixed_broken(held_out["changed"]),
+                 "-", "-"])  # fmt: skip
     return markdown(["steering", "pairs colour", "pairs shape", "pairs extra objects", "pairs left/right if bound",
-                     "pairs all [95 % CI]", "singles all", "time per image"], rows)  # fmt: skip
+                     "pairs all [95 % CI]", "pairs fixed / broken", "singles all", "time per image"], rows)  # fmt: skip
 
 
 def tokens_table() -> str:
