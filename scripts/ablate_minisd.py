@@ -64,6 +64,7 @@ objects and 64 pairs, DDIM 25 steps, guidance 4, with 95 % bootstrap intervals o
     ... x3 3600 steps seed 1            the shipped recipe from seed 1 (initialisation, data stream and
                         noise): how far one run of the recipe lies from another
     ... x3 3600 steps seed 1 bfloat16   the two together
+    ... x3 3600 steps seed 1 bfloat16 float32 ends   and with the ends in float32
 
 Each row writes its model under --out (with a checkpoint, so a killed run resumes) and its result
 into --json as soon as it is judged; a row already in --json with the same settings is not run
@@ -145,6 +146,9 @@ ROWS = {
     "zero terminal SNR + place embeddings + later timesteps x3 3600 steps seed 1 bfloat16": (
         {"zero_terminal_snr": True, "place_embeddings": True, "timestep_bias": 3.0, "steps": 3600, "seed": 1,
          "precision": "bf16"}, {}, "all-MiniLM-L6-v2"),
+    "zero terminal SNR + place embeddings + later timesteps x3 3600 steps seed 1 bfloat16 float32 ends": (
+        {"zero_terminal_snr": True, "place_embeddings": True, "timestep_bias": 3.0, "steps": 3600, "seed": 1,
+         "precision": "bf16-fp32-ends"}, {}, "all-MiniLM-L6-v2"),
 }
 SETS = ("singles", "pairs")
 

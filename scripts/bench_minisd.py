@@ -6,7 +6,8 @@ forward, MSE, backward, AdamW step and nothing else. Ours is `sdkit.minisd.train
 defaults (precision auto: float32 on a CPU, bfloat16 autocast on a GPU that has it; bmm attention
 on the CPU, each Transformer2D block compiled, the parameters in one flat tensor for fused AdamW,
 clipping and EMA, freed memory kept for reuse), with everything a real run does besides (Min-SNR
-weighting, gradient clipping, EMA, logging), and on a CPU also with `--precision bf16`. Each loop
+weighting, gradient clipping, EMA, logging), and on a CPU also with `--precision bf16` and
+`bf16-fp32-ends`. Each loop
 runs in a fresh process of its own, as a user's script would, so none inherits another's compiled
 code or allocator state. Samples/s are steady-state rates, measured after warm-up steps (for ours,
 after compilation, whose time is printed apart), in interleaved rounds. It prints the rates, the
@@ -16,7 +17,7 @@ guidance: 50 U-Net evaluations of a batch of 16).
 Both loops, and the sampling, run on the device train() runs on: the one accelerate picks (CUDA
 where present, else the CPU), so the ratio compares like with like on either.
 
-Needs the real text encoder (python scripts/get_real_encoders.py); about 8 minutes on 2 cores.
+Needs the real text encoder (python scripts/get_real_encoders.py); about 11 minutes on 2 cores.
 
     python scripts/bench_minisd.py [--steps 30] [--rounds 2]
 """
@@ -102,9 +103,9 @@ def main() -> None:
     parser.add_argument("--encoder", default="weights/encoders/all-MiniLM-L6-v2")
     args = parser.parse_args()
     device = training_device()
-    # Where the defaults train in float32 (a CPU), ours also runs with --precision bf16: faster on
-    # some CPUs, at a cost in what the model learns (README "Speed").
-    precisions = ["auto", "bf16"] if device.type == "cpu" else ["auto"]
+    # Where the defaults train in float32 (a CPU), ours also runs in bfloat16: faster on some CPUs,
+    # at a cost in what the model learns, less with the ends in float32 (README "Speed").
+    precisions = ["auto", "bf16", "bf16-fp32-ends"] if device.type == "cpu" else ["auto"]
     print(f"expected duration: about {args.rounds * (1 + len(precisions)) + 2} minutes on 2 CPU cores", flush=True)
     captions_of(load_text_encoder(args.encoder))  # encoded once into the cache both loops read
     plain = []
@@ -129,10 +130,10 @@ def main() -> None:
           f"{os.cpu_count()} CPU cores {amx} AMX{on}, torch {torch.__version__}:")
     for precision, runs in ours.items():
         name = "sdkit minisd train" + ("" if precision == "auto" else f" --precision {precision}")
-        print(f"  {name + ':':35s} {statistics.median(runs['rates']):7.1f} samples/s  (precision {precision} = "
+        print(f"  {name + ':':47s} {statistics.median(runs['rates']):7.1f} samples/s  (precision {precision} = "
               f"{runs['ran_in']}, compile; Min-SNR, EMA, clipping, logging; first 25 steps incl. compilation: "
               f"{statistics.median(runs['warmups']):.0f} s)")
-    print(f"  {'plain eager loop:':35s} {plain_s:7.1f} samples/s  (float32, eager, MSE, AdamW)")
+    print(f"  {'plain eager loop:':47s} {plain_s:7.1f} samples/s  (float32, eager, MSE, AdamW)")
     for precision, runs in ours.items():
         name = "defaults" if precision == "auto" else f"--precision {precision}"
         print(f"  ratio ours ({name}) / plain: {statistics.median(runs['rates']) / plain_s:.2f}")

@@ -241,6 +241,8 @@ def test_every_ablation_row_is_selectable_and_changes_one_thing():
         TrainSettings(precision="bf16-fp32-ends")  # fmt: skip
     assert ablate.row_settings(f"{recipe} x3 3600 steps seed 1", 1600)[0] == TrainSettings(seed=1)
     assert ablate.row_settings(f"{recipe} x3 3600 steps seed 1 bfloat16", 1600)[0] == TrainSettings(seed=1, precision="bf16")
+    assert ablate.row_settings(f"{recipe} x3 3600 steps seed 1 bfloat16 float32 ends", 1600)[0] == \
+        TrainSettings(seed=1, precision="bf16-fp32-ends")  # fmt: skip
     # the recipe shipped before it, with three times the bias, at the rows' budget and others
     x9 = replace(TrainSettings(), timestep_bias=9.0)
     assert ablate.row_settings(f"{recipe} x9", 1600)[0] == replace(x9, steps=1600)
