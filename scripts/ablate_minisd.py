@@ -93,6 +93,8 @@ from sdkit.presets import preset_config
 
 # the shipped recipe's departures from SD 1.x's, turned off: each row's starting point
 SD_RECIPE = {"zero_terminal_snr": False, "place_embeddings": False, "timestep_bias": 1.0}
+# the shipped recipe (the defaults) as changes to SD_RECIPE: the rows that vary its precision and seed start here
+SHIPPED = {"zero_terminal_snr": True, "place_embeddings": True, "timestep_bias": 3.0, "steps": 3600}
 ALL_CROSS_ATTENTION = {"down_block_types": ["CrossAttnDownBlock2D"] * 3, "up_block_types": ["CrossAttnUpBlock2D"] * 3}
 # name -> (changes to TrainSettings, changes to the U-Net config, text encoder[, its layer: "last" if not named])
 ROWS = {
@@ -131,24 +133,17 @@ ROWS = {
     "zero terminal SNR + place embeddings + later timesteps x9 3600 steps constant lr": (
         {"zero_terminal_snr": True, "place_embeddings": True, "timestep_bias": 9.0, "steps": 3600,
          "lr_schedule": "constant"}, {}, "all-MiniLM-L6-v2"),
-    "zero terminal SNR + place embeddings + later timesteps x3 3600 steps": (
-        {"zero_terminal_snr": True, "place_embeddings": True, "timestep_bias": 3.0, "steps": 3600}, {},
-        "all-MiniLM-L6-v2"),
+    "zero terminal SNR + place embeddings + later timesteps x3 3600 steps": (SHIPPED, {}, "all-MiniLM-L6-v2"),
     "zero terminal SNR + place embeddings + later timesteps x3 3600 steps bfloat16": (
-        {"zero_terminal_snr": True, "place_embeddings": True, "timestep_bias": 3.0, "steps": 3600,
-         "precision": "bf16"}, {}, "all-MiniLM-L6-v2"),
+        {**SHIPPED, "precision": "bf16"}, {}, "all-MiniLM-L6-v2"),
     "zero terminal SNR + place embeddings + later timesteps x3 3600 steps bfloat16 float32 ends": (
-        {"zero_terminal_snr": True, "place_embeddings": True, "timestep_bias": 3.0, "steps": 3600,
-         "precision": "bf16-fp32-ends"}, {}, "all-MiniLM-L6-v2"),
+        {**SHIPPED, "precision": "bf16-fp32-ends"}, {}, "all-MiniLM-L6-v2"),
     "zero terminal SNR + place embeddings + later timesteps x3 3600 steps seed 1": (
-        {"zero_terminal_snr": True, "place_embeddings": True, "timestep_bias": 3.0, "steps": 3600, "seed": 1}, {},
-        "all-MiniLM-L6-v2"),
+        {**SHIPPED, "seed": 1}, {}, "all-MiniLM-L6-v2"),
     "zero terminal SNR + place embeddings + later timesteps x3 3600 steps seed 1 bfloat16": (
-        {"zero_terminal_snr": True, "place_embeddings": True, "timestep_bias": 3.0, "steps": 3600, "seed": 1,
-         "precision": "bf16"}, {}, "all-MiniLM-L6-v2"),
+        {**SHIPPED, "seed": 1, "precision": "bf16"}, {}, "all-MiniLM-L6-v2"),
     "zero terminal SNR + place embeddings + later timesteps x3 3600 steps seed 1 bfloat16 float32 ends": (
-        {"zero_terminal_snr": True, "place_embeddings": True, "timestep_bias": 3.0, "steps": 3600, "seed": 1,
-         "precision": "bf16-fp32-ends"}, {}, "all-MiniLM-L6-v2"),
+        {**SHIPPED, "seed": 1, "precision": "bf16-fp32-ends"}, {}, "all-MiniLM-L6-v2"),
 }
 SETS = ("singles", "pairs")
 

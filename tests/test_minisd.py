@@ -392,7 +392,7 @@ def test_auto_precision_is_float32_on_any_cpu(monkeypatch):
     assert resolve_precision("bf16", torch.device("cpu")) == "bf16"
 
 
-def test_ends_in_float32_runs_the_first_and_last_layers_in_float32_under_autocast(bert):
+def test_ends_in_float32_runs_the_first_and_last_layers_in_float32_under_autocast(bert, tmp_path):
     from sdkit.minisd.train import ends_in_float32
     from sdkit.presets import build_unet
 
@@ -401,15 +401,22 @@ def test_ends_in_float32_runs_the_first_and_last_layers_in_float32_under_autocas
         for name in ("conv_in", "time_embedding", "conv_norm_out", "conv_out", "down_blocks.0.resnets.0.conv1"):
             unet.get_submodule(name).register_forward_hook(lambda m, a, out, name=name: dtypes.__setitem__(name, out.dtype))
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            unet(torch.randn(2, 3, 32, 32), torch.tensor([10, 900]), torch.randn(2, 5, bert.width)).sample.sum().backward()
+            unet(torch.randn(2, 3, 32, 32), torch.tensor([10, 900]), torch.randn(2, 5, bert.width))
         return dtypes
 
-    unet = build_unet(micro_config(bert.width), weights="random", seed=0)
+    config = micro_config(bert.width)
+    unet = build_unet(config, weights="random", seed=0)
     assert set(output_dtypes(unet).values()) == {torch.bfloat16}
     ends_in_float32(unet)
     dtypes = output_dtypes(unet)
     assert dtypes.pop("down_blocks.0.resnets.0.conv1") == torch.bfloat16  # the rest: bfloat16's speed
     assert set(dtypes.values()) == {torch.float32}
+    # and train() applies it: the same run in plain bfloat16 ends with other weights
+    weights = {}
+    for precision in ("bf16", "bf16-fp32-ends"):
+        train(tmp_path / precision, bert, _settings(precision=precision), config, cache_dir=None, progress=False)
+        weights[precision] = load_file(tmp_path / precision / "unet" / "diffusion_pytorch_model.safetensors")
+    assert not torch.equal(weights["bf16"]["conv_out.weight"], weights["bf16-fp32-ends"]["conv_out.weight"])
 
 
 @pytest.mark.slow  # compiles two levels' blocks: about a minute
