@@ -235,7 +235,7 @@ def test_every_ablation_row_is_selectable_and_changes_one_thing():
     # the shipped recipe: the defaults
     recipe = "zero terminal SNR + place embeddings + later timesteps"
     assert ablate.row_settings(f"{recipe} x3 3600 steps", 1600)[0] == TrainSettings()
-    # ... in bfloat16, from another seed, and both
+    # ... in bfloat16, from other seeds, and both
     assert ablate.row_settings(f"{recipe} x3 3600 steps bfloat16", 1600)[0] == TrainSettings(precision="bf16")
     assert ablate.row_settings(f"{recipe} x3 3600 steps bfloat16 float32 ends", 1600)[0] == \
         TrainSettings(precision="bf16-fp32-ends")  # fmt: skip
@@ -243,6 +243,9 @@ def test_every_ablation_row_is_selectable_and_changes_one_thing():
     assert ablate.row_settings(f"{recipe} x3 3600 steps seed 1 bfloat16", 1600)[0] == TrainSettings(seed=1, precision="bf16")
     assert ablate.row_settings(f"{recipe} x3 3600 steps seed 1 bfloat16 float32 ends", 1600)[0] == \
         TrainSettings(seed=1, precision="bf16-fp32-ends")  # fmt: skip
+    assert ablate.row_settings(f"{recipe} x3 3600 steps seed 2", 1600)[0] == TrainSettings(seed=2)
+    assert ablate.row_settings(f"{recipe} x3 3600 steps seed 2 bfloat16 float32 ends", 1600)[0] == \
+        TrainSettings(seed=2, precision="bf16-fp32-ends")  # fmt: skip
     # the recipe shipped before it, with three times the bias, at the rows' budget and others
     x9 = replace(TrainSettings(), timestep_bias=9.0)
     assert ablate.row_settings(f"{recipe} x9", 1600)[0] == replace(x9, steps=1600)

@@ -157,8 +157,9 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     # bfloat16 is faster on some CPUs (AMX; an AMD EPYC's AVX512-BF16: 1.77x a plain loop, where
     # float32 is 1.10x) and slower on others (a Xeon showing AVX512-BF16 without AMX), and the
     # shipped recipe's bfloat16 runs drew 42 and 23 % of pairs (seeds 0 and 1) where its float32
-    # runs drew 70 and 55 %; bfloat16 with float32 ends, 50 and 55 % (the ablation's last rows;
-    # README "Speed"), two seeds too few to change the shipped model's recipe.
+    # runs drew 70 and 55 %; bfloat16 with float32 ends, 50, 55 and 23 % where float32 drew 70, 55
+    # and 56 % (seeds 0, 1 and 2; the ablation's last rows; README "Speed"): on some seeds any
+    # bfloat16 loses the relation this recipe is for.
     return "fp32"
 
 
