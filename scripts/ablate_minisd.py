@@ -65,8 +65,9 @@ objects and 64 pairs, DDIM 25 steps, guidance 4, with 95 % bootstrap intervals o
                         noise): how far one run of the recipe lies from another
     ... x3 3600 steps seed 1 bfloat16   the two together
     ... x3 3600 steps seed 1 bfloat16 float32 ends   and with the ends in float32
-    ... x3 3600 steps seed 2 (bfloat16 float32 ends)   a third seed, in float32 and with
-                        float32 ends: does the ends' precision draw pairs as float32 does?
+    ... x3 3600 steps seed 2            a third seed, in float32 ...
+    ... x3 3600 steps seed 2 bfloat16 float32 ends   ... and with float32 ends: do they draw pairs
+                        as float32 does?
 
 Each row writes its model under --out (with a checkpoint, so a killed run resumes) and its result
 into --json as soon as it is judged; a row already in --json with the same settings is not run
