@@ -17,7 +17,7 @@ from sdkit.minisd.data import (BACKGROUND, CELLS, HELD_OUT_PAIRS, HELD_OUT_SINGL
 from sdkit.minisd.evaluate import BLUR_NOISE, BLUR_PIXELS, blurred
 from sdkit.minisd.judge import accuracy, classify_shape, find_objects, judge, min_object_pixels, shape_moments
 from sdkit.minisd.pipeline import MiniSDPipeline, pool_states
-from sdkit.minisd.train import Interrupted, TrainSettings, recorded_settings, train
+from sdkit.minisd.train import Interrupted, TrainSettings, recorded_settings, train, weighted_loss
 from tests.conftest import micro_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -847,7 +847,6 @@ def test_the_loss_weights_the_implied_image_error_whichever_the_target(predictio
     from diffusers import DDPMScheduler
 
     from sdkit.minisd.pipeline import SCHEDULER_CONFIG
-    from sdkit.minisd.train import weighted_loss
 
     scheduler = DDPMScheduler.from_config({**SCHEDULER_CONFIG, "prediction_type": prediction_type})
     generator = torch.Generator().manual_seed(0)
@@ -985,3 +984,23 @@ def test_place_embeddings_give_queries_their_place_and_survive_saving(bert, tmp_
     # each cell's query input carries its own sinusoid (before cross-attention too: diffusers' block)
     torch.testing.assert_close(seen[0] - seen[1], embeddings[0].pe[0, : seen[0].shape[0]])
     assert not torch.allclose(with_places, without)
+
+
+def test_training_reads_the_losses_off_the_device_once_per_log_line(bert, tmp_path, monkeypatch):
+    # a read (.item(), .tolist()) waits for the device: per step, a GPU could not run ahead of the CPU
+    reads = []
+    for method in ("item", "tolist"):
+        original = getattr(torch.Tensor, method)
+        monkeypatch.setattr(torch.Tensor, method, lambda t, _original=original, _name=method:
+                            (reads.append(_name), _original(t))[1])  # fmt: skip
+    steps = []
+    monkeypatch.setattr("sdkit.minisd.train.weighted_loss",
+                        lambda *a, _loss=weighted_loss: steps.append(_loss(*a)) or steps[-1])  # fmt: skip
+    result = train(tmp_path / "m", bert, _settings(steps=50, batch_size=2, relation_weight=1.0, pair_fraction=1.0),
+                   micro_config(bert.width), progress=False, cache_dir=None)  # fmt: skip
+    monkeypatch.undo()
+    assert reads == ["tolist", "tolist"] and len(steps) == 50
+    assert [h["step"] for h in result.history] == [25, 50]
+    # each log line: the mean of its 25 steps' losses, as read one by one
+    for entry, window in zip(result.history, (steps[:25], steps[25:])):
+        assert entry["loss"] == sum(loss.item() for loss in window) / 25

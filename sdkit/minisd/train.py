@@ -644,12 +644,14 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
     ema.to(accelerator.device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=settings.precision.startswith("bf16"))
 
-    began, window_loss, window_steps = time.perf_counter(), 0.0, 0
-    window_extra = dict.fromkeys(attention_weights, 0.0)
+    # Each step's losses stay on the device until they are read, every 25 steps (and before a
+    # checkpoint): reading one (.item()) waits for the device, and on a GPU a wait per step would keep
+    # the CPU from drawing the next batch while the GPU runs this one.
+    began = window_began = time.perf_counter()
+    unread, window = [], []  # per step: [loss, total, *attention losses]; tensors, then floats
     with freed_memory_kept(), tqdm(total=settings.steps, initial=start, desc="training mini SD", unit="step",
                                    disable=not progress or not accelerator.is_main_process) as bar:  # fmt: skip
         for step in range(start, settings.steps):
-            step_start = time.perf_counter()
             batch = batch_at(step, settings, captions, accelerator.process_index, accelerator.num_processes)
             pixels, states, noise, timesteps = (t.to(accelerator.device) for t in batch[:4])
             if settings.swap_fraction:
@@ -672,7 +674,6 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
                     values["relation"] = relation_loss(maps, words, (signs[rows] * noisy_enough).to(device))
                 for name, value in values.items():
                     total = total + attention_weights[name] * value
-                    window_extra[name] += value.item()
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(step, settings)
             optimizer.zero_grad(set_to_none=False)  # in place: the parameters' gradients are views into it
@@ -680,22 +681,29 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
             accelerator.clip_grad_norm_([weights], settings.max_grad_norm)
             optimizer.step()
             ema.step([weights])
-            if not math.isfinite(total.item()):
-                raise SdkitError(f"training diverged at step {step + 1}: the loss is {total.item()} (try a lower lr)")
-            window_loss, window_steps = window_loss + loss.item(), window_steps + 1
+            unread.append(torch.stack([loss, total, *(values[name] for name in attention_weights)]).detach())
             done = step + 1
-            if done % 25 == 0 or done == settings.steps:
+            log = done % 25 == 0 or done == settings.steps
+            keep = checkpoint is not None and (done % checkpoint_every == 0 or done == settings.steps)
+            if log or keep or (stop_after is not None and done >= stop_after):  # the same steps in every process
+                for offset, row in enumerate(torch.stack(unread).tolist(), start=done - len(unread) + 1):
+                    if not math.isfinite(row[1]):
+                        raise SdkitError(f"training diverged at step {offset}: the loss is {row[1]} (try a lower lr)")
+                    window.append(row)
+                unread = []
+            if log:
                 # seconds: the run's training so far, the processes it was resumed from counted (up to
                 # their last checkpoint: the steps a stopped process did after it were done again)
                 # loss: the denoising loss alone; grounding and relation, when on: each its own, unweighted
-                history.append({"step": done, "loss": window_loss / window_steps,
-                                **{name: value / window_steps for name, value in window_extra.items()},
-                                "seconds": round(earlier + time.perf_counter() - began, 3)})  # fmt: skip
-                window_loss, window_steps = 0.0, 0
-                window_extra = dict.fromkeys(window_extra, 0.0)
+                sums = [sum(row[i] for row in window) for i in range(len(window[0]))]
+                now = time.perf_counter()
+                history.append({"step": done, "loss": sums[0] / len(window),
+                                **{name: sums[2 + i] / len(window) for i, name in enumerate(attention_weights)},
+                                "seconds": round(earlier + now - began, 3)})  # fmt: skip
+                bar.set_postfix(loss=f"{window[-1][0]:.4f}", samples_s=f"{len(window) * settings.batch_size / (now - window_began):.1f}")
+                window, window_began = [], now
             bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.4f}", samples_s=f"{settings.batch_size / (time.perf_counter() - step_start):.1f}")
-            if checkpoint and accelerator.is_main_process and (done % checkpoint_every == 0 or done == settings.steps):
+            if keep and accelerator.is_main_process:
                 save_checkpoint(checkpoint, unet, ema, optimizer, done, history, fingerprint,
                                 earlier + time.perf_counter() - began)
             if stop_after is not None and done >= stop_after and done < settings.steps:
