@@ -18,8 +18,11 @@ Both loops, and the sampling, run on the device train() runs on: the one acceler
 where present, else the CPU), so the ratio compares like with like on either.
 
 Needs the real text encoder (python scripts/get_real_encoders.py); about 11 minutes on 2 cores.
+Where it cannot be had (a GPU machine with no network), `--encoder` may name a stand-in of its
+width, `sdkit.encoders.write_tiny_bert_encoder(folder, width=384)`: it only encodes the captions
+once, before the clocks start, and a step's work is the U-Net's, which reads the states' width alone.
 
-    python scripts/bench_minisd.py [--steps 30] [--rounds 2]
+    python scripts/bench_minisd.py [--steps 50] [--rounds 2] [--encoder FOLDER]
 """
 
 import argparse
@@ -104,8 +107,9 @@ def main() -> None:
     args = parser.parse_args()
     device = training_device()
     # Where the defaults train in float32 (a CPU), ours also runs in bfloat16: faster on some CPUs,
-    # at a cost in what the model learns, less with the ends in float32 (README "Speed").
-    precisions = ["auto", "bf16", "bf16-fp32-ends"] if device.type == "cpu" else ["auto"]
+    # at a cost in what the model learns, less with the ends in float32 (README "Speed"). Where they
+    # train in bfloat16 (a GPU), ours also runs in float32, the precision the shipped model learnt in.
+    precisions = ["auto", "bf16", "bf16-fp32-ends"] if device.type == "cpu" else ["auto", "fp32"]
     print(f"expected duration: about {args.rounds * (1 + len(precisions)) + 2} minutes on 2 CPU cores", flush=True)
     captions_of(load_text_encoder(args.encoder))  # encoded once into the cache both loops read
     plain = []

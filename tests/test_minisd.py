@@ -244,8 +244,10 @@ def test_every_ablation_row_is_selectable_and_changes_one_thing():
     assert ablate.row_settings(f"{recipe} x3 3600 steps seed 1 bfloat16 float32 ends", 1600)[0] == \
         TrainSettings(seed=1, precision="bf16-fp32-ends")  # fmt: skip
     assert ablate.row_settings(f"{recipe} x3 3600 steps seed 2", 1600)[0] == TrainSettings(seed=2)
-    assert ablate.row_settings(f"{recipe} x3 3600 steps seed 2 bfloat16 float32 ends", 1600)[0] == \
-        TrainSettings(seed=2, precision="bf16-fp32-ends")  # fmt: skip
+    for seed in (2, 3):
+        assert ablate.row_settings(f"{recipe} x3 3600 steps seed {seed}", 1600)[0] == TrainSettings(seed=seed)
+        assert ablate.row_settings(f"{recipe} x3 3600 steps seed {seed} bfloat16 float32 ends", 1600)[0] == \
+            TrainSettings(seed=seed, precision="bf16-fp32-ends")  # fmt: skip
     # the recipe shipped before it, with three times the bias, at the rows' budget and others
     x9 = replace(TrainSettings(), timestep_bias=9.0)
     assert ablate.row_settings(f"{recipe} x9", 1600)[0] == replace(x9, steps=1600)
