@@ -220,8 +220,8 @@ def register(sub) -> None:
     q.add_argument("--precision", choices=PRECISIONS, default="auto",
                    help="bf16: bfloat16 autocast on float32 weights (faster on a GPU and on some CPUs; on the CPU it "
                         "trained models that drew fewer pairs); bf16-fp32-ends: the same with the U-Net's first and "
-                        "last layers in float32 (as fast; fewer pairs on two seeds of three); auto: bf16 on a GPU that "
-                        "has it, fp32 on a CPU")  # fmt: skip
+                        "last layers in float32 (as fast; pairs within the seeds' spread of fp32's, on four seeds); auto: "
+                        "bf16 on a GPU that has it, fp32 (what the shipped model was trained in) on a CPU")  # fmt: skip
     q.add_argument("--no-compile", action="store_true", help="skip torch.compile (saves its ~1-2 min start; trains slower)")
     q.add_argument("--checkpoints", metavar="DIR", help="write (and resume from) a checkpoint here")
     q.add_argument("--checkpoint-every", type=positive_int, default=200, help="steps between checkpoints")

@@ -153,13 +153,13 @@ def resolve_precision(precision: str, device: torch.device) -> str:
         return precision
     if device.type == "cuda":
         return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
-    # On a CPU, float32: the precision every model of the shipped recipe was trained and judged in.
-    # bfloat16 is faster on some CPUs (AMX; an AMD EPYC's AVX512-BF16: 1.77x a plain loop, where
-    # float32 is 1.10x) and slower on others (a Xeon showing AVX512-BF16 without AMX), and the
-    # shipped recipe's bfloat16 runs drew 42 and 23 % of pairs (seeds 0 and 1) where its float32
-    # runs drew 70 and 55 %; bfloat16 with float32 ends, 50, 55 and 23 % where float32 drew 70, 55
-    # and 56 % (seeds 0, 1 and 2; the ablation's last rows; README "Speed"): on some seeds any
-    # bfloat16 loses the relation this recipe is for.
+    # On a CPU, float32: the precision the shipped model was trained in, so that the defaults
+    # rebuild it to the bit. bfloat16 is faster on some CPUs (AMX; an AMD EPYC's AVX512-BF16: 1.77x
+    # a plain loop, where float32 is 1.10x) and slower on others (a Xeon showing AVX512-BF16 without
+    # AMX). Plain bfloat16 runs of the shipped recipe drew 42 and 23 % of pairs (seeds 0 and 1) where
+    # float32 drew 70 and 55 %; with float32 ends, 50, 55, 23 and 55 % where float32 drew 70, 55, 56
+    # and 36 % (seeds 0 to 3; the ablation's last rows; README "Speed"): gaps of either sign, as
+    # wide as float32's own from seed to seed.
     return "fp32"
 
 
