@@ -108,8 +108,8 @@ def main() -> None:
     device = training_device()
     # Where the defaults train in float32 (a CPU), ours also runs in bfloat16: faster on some CPUs,
     # at a cost in what the model learns, none told apart from the seed's with the ends in float32
-    # (README "Speed"). Where they
-    # train in bfloat16 (a GPU), ours also runs in float32, the precision the shipped model learnt in.
+    # (README "Speed"). Where they train in bfloat16 (a GPU), ours also runs in float32, the
+    # precision the shipped model learnt in.
     precisions = ["auto", "bf16", "bf16-fp32-ends"] if device.type == "cpu" else ["auto", "fp32"]
     print(f"expected duration: about {args.rounds * (1 + len(precisions)) + 2} minutes on 2 CPU cores", flush=True)
     captions_of(load_text_encoder(args.encoder))  # encoded once into the cache both loops read

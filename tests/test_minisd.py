@@ -243,7 +243,6 @@ def test_every_ablation_row_is_selectable_and_changes_one_thing():
     assert ablate.row_settings(f"{recipe} x3 3600 steps seed 1 bfloat16", 1600)[0] == TrainSettings(seed=1, precision="bf16")
     assert ablate.row_settings(f"{recipe} x3 3600 steps seed 1 bfloat16 float32 ends", 1600)[0] == \
         TrainSettings(seed=1, precision="bf16-fp32-ends")  # fmt: skip
-    assert ablate.row_settings(f"{recipe} x3 3600 steps seed 2", 1600)[0] == TrainSettings(seed=2)
     for seed in (2, 3):
         assert ablate.row_settings(f"{recipe} x3 3600 steps seed {seed}", 1600)[0] == TrainSettings(seed=seed)
         assert ablate.row_settings(f"{recipe} x3 3600 steps seed {seed} bfloat16 float32 ends", 1600)[0] == \

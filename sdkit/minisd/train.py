@@ -685,7 +685,8 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
             done = step + 1
             log = done % 25 == 0 or done == settings.steps
             keep = checkpoint is not None and (done % checkpoint_every == 0 or done == settings.steps)
-            if log or keep or (stop_after is not None and done >= stop_after):  # the same steps in every process
+            stop = stop_after is not None and stop_after <= done < settings.steps
+            if log or keep or stop:  # the same steps in every process
                 for offset, row in enumerate(torch.stack(unread).tolist(), start=done - len(unread) + 1):
                     if not math.isfinite(row[1]):
                         raise SdkitError(f"training diverged at step {offset}: the loss is {row[1]} (try a lower lr)")
@@ -706,7 +707,7 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
             if keep and accelerator.is_main_process:
                 save_checkpoint(checkpoint, unet, ema, optimizer, done, history, fingerprint,
                                 earlier + time.perf_counter() - began)
-            if stop_after is not None and done >= stop_after and done < settings.steps:
+            if stop:
                 raise Interrupted(f"stopped after step {done}")
     seconds = time.perf_counter() - began
     result = TrainResult(str(out), asdict(settings), settings.steps, start, seconds,
