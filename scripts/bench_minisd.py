@@ -107,7 +107,7 @@ def main() -> None:
     args = parser.parse_args()
     device = training_device()
     # Where the defaults train in float32 (a CPU), ours also runs in bfloat16: faster on some CPUs,
-    # at a cost in what the model learns, none told apart from the seed's with the ends in float32
+    # at a cost in what the model learns, none told apart from a run's own draw with the ends in float32
     # (README "Speed"). Where they train in bfloat16 (a GPU), ours also runs in float32, the
     # precision the shipped model learnt in.
     precisions = ["auto", "bf16", "bf16-fp32-ends"] if device.type == "cpu" else ["auto", "fp32"]

@@ -159,7 +159,8 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     # AMX). Plain bfloat16 runs of the shipped recipe drew 42 and 23 % of pairs (seeds 0 and 1) where
     # float32 drew 70 and 55 %; with float32 ends, 50, 55, 23 and 55 % where float32 drew 70, 55, 56
     # and 36 % (seeds 0 to 3; the ablation's last rows; README "Speed"): gaps of either sign, as
-    # wide as float32's own from seed to seed.
+    # wide as float32's own from seed to seed, and a run's result moves with the float order alone
+    # (seed 2 with float32 ends: 23 % in two threads, 64 % in one).
     return "fp32"
 
 
