@@ -261,8 +261,10 @@ def test_an_ablation_row_is_judged_from_a_model_trained_with_its_settings_only(b
 
     ablate = ablation_script()
     settings, config = _settings(), micro_config(bert.width)
-    train(tmp_path / "model", bert, settings, config, cache_dir=None, progress=False)
+    train(tmp_path / "model", bert, settings, config, checkpoint_dir=tmp_path / "ck", cache_dir=None, progress=False)
     record = {"settings": asdict(settings), "unet": config, "text_encoder": Path(bert.source).name, "layer": "last"}
+    # the checkpoint's copy of the same weights is not the run's model: it has no time of its own
+    assert ablate.trained_as_row(tmp_path / "ck" / "model", record) == "it is a checkpoint's model (step 2 of 2)"
     trained = ablate.trained_as_row(tmp_path / "model", record)
     recorded = json.loads((tmp_path / "model" / "minisd.json").read_text())["training"]
     assert trained == {"settings": recorded["settings"], "train_seconds": recorded["total_seconds"],
@@ -363,6 +365,9 @@ def test_training_saves_resumes_and_reloads_bit_exactly(bert, tmp_path, precisio
     with pytest.raises(Interrupted):
         train(tmp_path / "cut", bert, settings(), config, tmp_path / "ck-cut", 1, tmp_path / "cache", False, stop_after=1)
     assert not (tmp_path / "cut").exists()  # nothing half-written
+    # but the run so far is a model folder beside its checkpoint, to judge or sample while it goes on
+    so_far = MiniSDPipeline.from_pretrained(tmp_path / "ck-cut" / "model", text_encoder=bert.source)
+    assert so_far.spec.training["checkpoint_step"] == 1 and so_far.spec.training["history"] == []
     resumed = train(tmp_path / "cut", bert, settings(), config, tmp_path / "ck-cut", 1, tmp_path / "cache", False)
     assert resumed.resumed_from == 1
     # the run's time counts the first process's step too: the ablation's "trained" column is this
@@ -376,6 +381,10 @@ def test_training_saves_resumes_and_reloads_bit_exactly(bert, tmp_path, precisio
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     pipe = MiniSDPipeline.from_pretrained(tmp_path / "whole", text_encoder=bert.source)
     assert all(torch.equal(p, a[n]) for n, p in pipe.unet.state_dict().items())
+    # the last checkpoint's model is the run's, and the step-1 one is not
+    last = MiniSDPipeline.from_pretrained(tmp_path / "ck-whole" / "model", text_encoder=bert.source)
+    assert last.spec.training["checkpoint_step"] == 2 and all(torch.equal(p, a[n]) for n, p in last.unet.state_dict().items())
+    assert not all(torch.equal(p, a[n]) for n, p in so_far.unet.state_dict().items())
     spec = json.loads((tmp_path / "whole" / "minisd.json").read_text())
     assert spec["conditioning"] == "tokens" and spec["training"]["settings"]["steps"] == 2
     # "auto" is recorded as what it chose: float32 on a CPU

@@ -223,7 +223,8 @@ def register(sub) -> None:
                         "last layers in float32 (as fast; pairs within the seeds' spread of fp32's, on four seeds); auto: "
                         "bf16 on a GPU that has it, fp32 (what the shipped model was trained in) on a CPU")  # fmt: skip
     q.add_argument("--no-compile", action="store_true", help="skip torch.compile (saves its ~1-2 min start; trains slower)")
-    q.add_argument("--checkpoints", metavar="DIR", help="write (and resume from) a checkpoint here")
+    q.add_argument("--checkpoints", metavar="DIR", help="write (and resume from) a checkpoint here; DIR/model holds its EMA "
+                   "weights as a mini SD, to eval or sample while the run goes on")
     q.add_argument("--checkpoint-every", type=positive_int, default=200, help="steps between checkpoints")
     q.add_argument("--cache", type=cache_folder, default=CACHE_DEFAULT, help=CACHE_HELP)
     encoder_options(q)

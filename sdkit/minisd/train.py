@@ -39,6 +39,7 @@ from .pipeline import (CONDITIONINGS, SCHEDULER_CONFIG, MiniSDPipeline, MiniSDSp
                        add_place_embeddings, pool_states)  # fmt: skip
 
 CHECKPOINT = "checkpoint.safetensors"
+IN_PROGRESS = "model"  # beside the checkpoint: its EMA weights as a mini SD folder
 
 
 @dataclass
@@ -581,7 +582,7 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
     from diffusers.training_utils import EMAModel
     from tqdm import tqdm
 
-    from ..presets import build_unet, preset_config
+    from ..presets import preset_config
 
     settings = settings or TrainSettings()
     settings.check()
@@ -706,8 +707,13 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
                 window, window_began = [], now
             bar.update(1)
             if keep and accelerator.is_main_process:
-                save_checkpoint(checkpoint, unet, ema, optimizer, done, history, fingerprint,
-                                earlier + time.perf_counter() - began)
+                so_far = earlier + time.perf_counter() - began
+                save_checkpoint(checkpoint, unet, ema, optimizer, done, history, fingerprint, so_far)
+                # the run so far as a model folder, for `sdkit minisd eval` or `sample` while it goes on
+                save_ema_model(checkpoint.parent / IN_PROGRESS, ema, config, settings, encoder,
+                               {"settings": asdict(settings), "checkpoint_step": done,
+                                "total_seconds": round(so_far, 1), "processes": accelerator.num_processes,
+                                "device": str(accelerator.device), "history": history})  # fmt: skip
             if stop:
                 raise Interrupted(f"stopped after step {done}")
     seconds = time.perf_counter() - began
@@ -715,18 +721,26 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
                          (settings.steps - start) * settings.batch_size / max(seconds, 1e-9), history,
                          earlier + seconds)  # fmt: skip
     if accelerator.is_main_process:
-        final = build_unet(config, weights="random", seed=settings.seed)
-        torch.nn.utils.vector_to_parameters(ema.shadow_params[0].cpu(), final.parameters())
-        spec = MiniSDSpec(text_encoder=Path(encoder.source).name, layer=encoder.layer, max_length=settings.context_length,
-                          conditioning=settings.conditioning, image_size=settings.image_size,
-                          coordinates=settings.coordinates, place_embeddings=settings.place_embeddings,
-                          training={"settings": asdict(settings), "resumed_from_step": start,
-                                    "seconds": round(seconds, 1), "total_seconds": round(result.total_seconds, 1),
-                                    "samples_per_second": round(result.samples_per_second, 2),
-                                    "processes": accelerator.num_processes, "device": str(accelerator.device),
-                                    "history": history})  # fmt: skip
-        MiniSDPipeline(final.cpu(), scheduler_config(settings), spec).save_pretrained(out)
+        save_ema_model(out, ema, config, settings, encoder,
+                       {"settings": asdict(settings), "resumed_from_step": start, "seconds": round(seconds, 1),
+                        "total_seconds": round(result.total_seconds, 1),
+                        "samples_per_second": round(result.samples_per_second, 2),
+                        "processes": accelerator.num_processes, "device": str(accelerator.device), "history": history})  # fmt: skip
     return result
+
+
+def save_ema_model(out: str | os.PathLike, ema, config: dict, settings: TrainSettings, encoder: TextEncoder,
+                   training: dict) -> None:
+    """The EMA weights as a mini SD folder, with `training` as its record of how they were made."""
+    from ..presets import build_unet
+
+    with torch.random.fork_rng(devices=[]):  # build_unet seeds the global generator: a run in progress keeps its own
+        unet = build_unet(config, weights="random", seed=settings.seed)
+    torch.nn.utils.vector_to_parameters(ema.shadow_params[0].detach().cpu(), unet.parameters())
+    spec = MiniSDSpec(text_encoder=Path(encoder.source).name, layer=encoder.layer, max_length=settings.context_length,
+                      conditioning=settings.conditioning, image_size=settings.image_size,
+                      coordinates=settings.coordinates, place_embeddings=settings.place_embeddings, training=training)  # fmt: skip
+    MiniSDPipeline(unet, scheduler_config(settings), spec).save_pretrained(out)
 
 
 def save_checkpoint(path: Path, unet, ema, optimizer, step: int, history: list[dict], fingerprint: str,
