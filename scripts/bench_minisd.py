@@ -3,11 +3,11 @@
 Both loops train the minisd preset on the same batches (the generator's images and captions, the
 same noise and timesteps). The plain loop is what a first training script does: float32, eager,
 forward, MSE, backward, AdamW step and nothing else. Ours is `sdkit.minisd.train.train` with its
-defaults (precision auto: float32 on a CPU, bfloat16 autocast on a GPU that has it; bmm attention
+defaults (precision auto: float32 on a CPU, bfloat16 autocast with float32 ends on a GPU that has it; bmm attention
 on the CPU, each Transformer2D block compiled, the parameters in one flat tensor for fused AdamW,
 clipping and EMA, freed memory kept for reuse), with everything a real run does besides (Min-SNR
 weighting, gradient clipping, EMA, logging), and on a CPU also with `--precision bf16` and
-`bf16-fp32-ends`. Each loop
+`bf16-fp32-ends` (on a GPU, `bf16` and `fp32`). Each loop
 runs in a fresh process of its own, as a user's script would, so none inherits another's compiled
 code or allocator state. Samples/s are steady-state rates, measured after warm-up steps (for ours,
 after compilation, whose time is printed apart), in interleaved rounds. It prints the rates, the
@@ -108,9 +108,9 @@ def main() -> None:
     device = training_device()
     # Where the defaults train in float32 (a CPU), ours also runs in bfloat16: faster on some CPUs,
     # at a cost in what the model learns, none told apart from a run's own draw with the ends in float32
-    # (README "Speed"). Where they train in bfloat16 (a GPU), ours also runs in float32, the
-    # precision the shipped model learnt in.
-    precisions = ["auto", "bf16", "bf16-fp32-ends"] if device.type == "cpu" else ["auto", "fp32"]
+    # (README "Speed"). Where they train in bfloat16 with float32 ends (a GPU), ours also runs in plain
+    # bfloat16 and in float32, the precision the shipped model learnt in.
+    precisions = ["auto", "bf16", "bf16-fp32-ends"] if device.type == "cpu" else ["auto", "bf16", "fp32"]
     print(f"expected duration: about {args.rounds * (1 + len(precisions)) + 2} minutes on 2 CPU cores", flush=True)
     captions_of(load_text_encoder(args.encoder))  # encoded once into the cache both loops read
     plain = []

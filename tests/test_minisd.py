@@ -394,7 +394,7 @@ def test_training_saves_resumes_and_reloads_bit_exactly(bert, tmp_path, precisio
         train(tmp_path / "other", bert, settings(lr=5e-4), config, tmp_path / "ck-whole", 1, tmp_path / "cache", False)
 
 
-def test_auto_precision_is_float32_on_any_cpu(monkeypatch):
+def test_auto_precision_is_float32_on_any_cpu_and_never_plain_bfloat16(monkeypatch):
     # The shipped recipe's precision: in bfloat16 it drew 42 and 23 % of pairs (seeds 0 and 1), in
     # float32 70 and 55 %; on a CPU with AMX, or an AMD EPYC's AVX512-BF16, bfloat16 is the faster.
     from sdkit.minisd.train import resolve_precision
@@ -403,6 +403,11 @@ def test_auto_precision_is_float32_on_any_cpu(monkeypatch):
     assert resolve_precision("auto", torch.device("cpu")) == "fp32"
     assert resolve_precision("fp32", torch.device("cpu")) == "fp32"
     assert resolve_precision("bf16", torch.device("cpu")) == "bf16"
+    # a GPU with bfloat16 gets it with the ends in float32, where plain bfloat16's gradient was furthest off
+    for supported, expected in ((True, "bf16-fp32-ends"), (False, "fp32")):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: supported)
+        assert resolve_precision("auto", torch.device("cuda")) == expected
+    assert resolve_precision("bf16", torch.device("cuda")) == "bf16"
 
 
 def test_ends_in_float32_runs_the_first_and_last_layers_in_float32_under_autocast(bert, tmp_path):
