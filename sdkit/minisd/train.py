@@ -648,6 +648,8 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
         compile_blocks(unet)
     ema.to(accelerator.device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=settings.precision.startswith("bf16"))
+    # what every saved model's record says of the run (each adds its step, times and history)
+    trained_on = {"settings": asdict(settings), "processes": accelerator.num_processes, "device": str(device)}
 
     # Each step's losses stay on the device until they are read, every 25 steps (and before a
     # checkpoint): reading one (.item()) waits for the device, and on a GPU a wait per step would keep
@@ -714,9 +716,8 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
                 save_checkpoint(checkpoint, unet, ema, optimizer, done, history, fingerprint, so_far)
                 # the run so far as a model folder, for `sdkit minisd eval` or `sample` while it goes on
                 save_ema_model(checkpoint.parent / IN_PROGRESS, ema, config, settings, encoder,
-                               {"settings": asdict(settings), "checkpoint_step": done,
-                                "total_seconds": round(so_far, 1), "processes": accelerator.num_processes,
-                                "device": str(accelerator.device), "history": history})  # fmt: skip
+                               {**trained_on, "checkpoint_step": done, "total_seconds": round(so_far, 1),
+                                "history": history})  # fmt: skip
             if stop:
                 raise Interrupted(f"stopped after step {done}")
     seconds = time.perf_counter() - began
@@ -725,10 +726,9 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
                          earlier + seconds)  # fmt: skip
     if accelerator.is_main_process:
         save_ema_model(out, ema, config, settings, encoder,
-                       {"settings": asdict(settings), "resumed_from_step": start, "seconds": round(seconds, 1),
+                       {**trained_on, "resumed_from_step": start, "seconds": round(seconds, 1),
                         "total_seconds": round(result.total_seconds, 1),
-                        "samples_per_second": round(result.samples_per_second, 2),
-                        "processes": accelerator.num_processes, "device": str(accelerator.device), "history": history})  # fmt: skip
+                        "samples_per_second": round(result.samples_per_second, 2), "history": history})  # fmt: skip
     return result
 
 
@@ -737,8 +737,9 @@ def save_ema_model(out: str | os.PathLike, ema, config: dict, settings: TrainSet
     """The EMA weights as a mini SD folder, with `training` as its record of how they were made."""
     from ..presets import build_unet
 
-    with torch.random.fork_rng(devices=[]):  # build_unet seeds the global generator: a run in progress keeps its own
-        unet = build_unet(config, weights="random", seed=settings.seed)
+    # Shapes only, then every weight from the EMA: no initialisation to throw away, and no draw from
+    # the global generator in the middle of a run. A diffusers U-Net has parameters and no buffers.
+    unet = build_unet(config).to_empty(device="cpu")
     torch.nn.utils.vector_to_parameters(ema.shadow_params[0].detach().cpu(), unet.parameters())
     spec = MiniSDSpec(text_encoder=Path(encoder.source).name, layer=encoder.layer, max_length=settings.context_length,
                       conditioning=settings.conditioning, image_size=settings.image_size,
