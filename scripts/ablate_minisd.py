@@ -256,8 +256,8 @@ def trained_as_row(folder: Path, record: dict) -> dict | str:
     training = spec.training
     if not training:
         return "its minisd.json records no training"
-    if "checkpoint_step" in training:
-        return f"it is a checkpoint's model (step {training['checkpoint_step']} of {training['settings']['steps']})"
+    if spec.checkpoint_note():
+        return f"it is {spec.checkpoint_note()}"
     if not same_recipe(training["settings"], record["settings"]):
         return "trained with other settings"
     if (spec.text_encoder, spec.layer) != (record["text_encoder"], record["layer"]):

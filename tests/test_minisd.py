@@ -264,7 +264,7 @@ def test_an_ablation_row_is_judged_from_a_model_trained_with_its_settings_only(b
     train(tmp_path / "model", bert, settings, config, checkpoint_dir=tmp_path / "ck", cache_dir=None, progress=False)
     record = {"settings": asdict(settings), "unet": config, "text_encoder": Path(bert.source).name, "layer": "last"}
     # the checkpoint's copy of the same weights is not the run's model: it has no time of its own
-    assert ablate.trained_as_row(tmp_path / "ck" / "model", record) == "it is a checkpoint's model (step 2 of 2)"
+    assert ablate.trained_as_row(tmp_path / "ck" / "model", record) == "it is a checkpoint's model, step 2 of 2"
     trained = ablate.trained_as_row(tmp_path / "model", record)
     recorded = json.loads((tmp_path / "model" / "minisd.json").read_text())["training"]
     assert trained == {"settings": recorded["settings"], "train_seconds": recorded["total_seconds"],
@@ -513,6 +513,7 @@ def test_cli_sample_and_eval(micro_model, bert, cli, tmp_path):
     code, out, err = cli("minisd", "sample", "a red circle at the top", "--model", micro_model, "--text-encoder",
                          bert.source, "--seeds", "2", "--steps", "2", "--out", png)
     assert code == 0, err
+    assert f"({micro_model}: ddim 2 steps" in out  # a finished run's model: no checkpoint note
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     code, out, err = cli("minisd", "eval", "--model", micro_model, "--text-encoder", bert.source, "--count", "2",
                          "--sets", "singles,pairs", "--steps", "2", "--json", "--panel", tmp_path / "panel.png")
@@ -524,6 +525,21 @@ def test_cli_sample_and_eval(micro_model, bert, cli, tmp_path):
     assert (tmp_path / "panel.png").is_file()
     code, _, err = cli("minisd", "eval", "--model", tmp_path / "nothing")
     assert code == 2 and "no such file" in err
+
+
+def test_a_checkpoints_model_says_it_is_one(bert, cli, tmp_path):
+    with pytest.raises(Interrupted):
+        train(tmp_path / "run", bert, _settings(), micro_config(bert.width), tmp_path / "ck", 1, None, False, stop_after=1)
+    model = tmp_path / "ck" / "model"
+    common = ["--model", model, "--text-encoder", bert.source, "--steps", "2"]
+    code, out, err = cli("minisd", "sample", "a red circle", *common, "--seeds", "1", "--out", tmp_path / "g.png")
+    assert code == 0, err
+    assert f"({model} (a checkpoint's model, step 1 of 2): ddim 2 steps" in out
+    code, out, err = cli("minisd", "sample", "a red circle", *common, "--seeds", "1", "--out", tmp_path / "g.png", "--json")
+    assert code == 0 and json.loads(out)["checkpoint_step"] == 1
+    code, out, err = cli("minisd", "eval", *common, "--count", "1", "--sets", "singles", "--no-floors")
+    assert code == 0, err
+    assert out.startswith(f"{model} (a checkpoint's model, step 1 of 2): judged accuracy")
 
 
 def test_changed_by_steering_counts_images_by_prompt_and_seed():

@@ -73,6 +73,12 @@ def _pipeline(args):
     return MiniSDPipeline.from_pretrained(args.model, args.text_encoder, args.encoders_dir, allow_pickle=args.allow_pickle)
 
 
+def _model_name(path: str, pipe) -> str:
+    """The model's path, and for a run's checkpoint copy that it is one (its weights are a run's so far)."""
+    note = pipe.spec.checkpoint_note()
+    return f"{path} ({note})" if note else path
+
+
 def _steering(args):
     """SteeringSettings from --guide and its options (None without --guide, which they need)."""
     if not args.guide:
@@ -110,13 +116,14 @@ def cmd_minisd_sample(args) -> None:
     with progress_bar(args, total=len(prompts), desc="sampling", unit="image") as bar:
         out = pipe(prompts, args.steps, args.guidance, seeds=seeds, sampler=args.sampler, progress=bar,
                    steering=steering, guides=guides)  # fmt: skip
-    title = f"{args.model}: {args.sampler} {args.steps} steps, guidance {args.guidance:g}"
+    title = f"{_model_name(args.model, pipe)}: {args.sampler} {args.steps} steps, guidance {args.guidance:g}"
     if steering is not None:
         title += f", {_steering_title(steering)}"
     sample_grid(out.images, prompts, seeds, args.out, title)
     steered = None if steering is None else {k: v for k, v in asdict(steering).items() if k != "text_positions"}
-    show_result(args, {"model": args.model, "prompts": prompts, "seeds": seeds, "guidance_scale": args.guidance,
-                   "steps": args.steps, "sampler": args.sampler, "steering": steered, "grid": args.out},
+    show_result(args, {"model": args.model, "checkpoint_step": pipe.spec.training.get("checkpoint_step"),
+                       "prompts": prompts, "seeds": seeds, "guidance_scale": args.guidance, "steps": args.steps,
+                       "sampler": args.sampler, "steering": steered, "grid": args.out},
             f"wrote {len(prompts)} images to {args.out} ({title})")  # fmt: skip
 
 
@@ -135,7 +142,7 @@ def cmd_minisd_eval(args) -> None:
     images = args.count * len(sets) * (1 + (0 if args.no_floors else 2) + (steering is not None))
     with progress_bar(args, total=images, desc="generating", unit="image") as bar:
         ev = evaluate(pipe, sets, args.count, args.guidance, args.steps, args.sampler, floors=not args.no_floors,
-                      model_name=args.model, progress=bar, steering=steering)  # fmt: skip
+                      model_name=_model_name(args.model, pipe), progress=bar, steering=steering)  # fmt: skip
     table = format_evaluation(ev)
     if args.panel:
         draw_panel(ev, args.panel)

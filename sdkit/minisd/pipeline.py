@@ -98,6 +98,14 @@ class MiniSDSpec:
     def write(self, folder: str | os.PathLike) -> None:
         write_json(Path(folder) / SPEC_FILE, asdict(self))
 
+    def checkpoint_note(self) -> str | None:
+        """"a checkpoint's model, step N of M" for the weights a run in progress saved (`--checkpoints
+        DIR` writes them to DIR/model), None for a finished run's model."""
+        step = self.training.get("checkpoint_step")
+        if step is None:
+            return None
+        return f"a checkpoint's model, step {step} of {self.training.get('settings', {}).get('steps', '?')}"
+
 
 def add_coordinates(sample: torch.Tensor) -> torch.Tensor:
     """(batch, C, H, W) -> (batch, C + 2, H, W): the pixels, then x and y, each from -1 to 1."""
