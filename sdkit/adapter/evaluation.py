@@ -111,6 +111,11 @@ def unet_noise_error(unet, predicted: torch.Tensor, true: torch.Tensor, empty: t
     `read` (prompts, tokens), true where the U-Net reads a state: elsewhere the adapted states are
     zeroed, as adapted_embeddings gives them to a U-Net (a masked encoder leaves zeros past the
     prompt, and a U-Net trained on it attends to those zeros as to nothing).
+
+    The U-Net is fed Gaussian latents at every timestep, so that the error needs no images (nor a
+    VAE); a latent of pure noise is what sampling gives the U-Net at its first steps, so the ratio
+    at t = 900 is the one nearest to use, and those at t = 100 and 500 read the text's effect off
+    the distribution the U-Net was trained on.
     """
     if read is not None:
         predicted = predicted * read.unsqueeze(-1).to(predicted.dtype)
@@ -260,7 +265,8 @@ COLUMNS = [  # (header, metric, definition)
     ("top-1", "prompt_top1", "share of prompts whose pooled prediction is nearest their own target"),
 ]  # fmt: skip
 UNET_COLUMNS = [
-    ("U-Net err [95% CI]", "unet_rel_error", "||eps(adapted) - eps(old)|| / ||eps(old)|| at the frozen U-Net"),
+    ("U-Net err [95% CI]", "unet_rel_error", "||eps(adapted) - eps(old)|| / ||eps(old)|| at the frozen U-Net, "
+                                          "on Gaussian latents at t = 100, 500, 900 (mean)"),
     ("vs text", "unet_rel_to_text_effect", "the same error over ||eps(old prompt) - eps(old empty prompt)||: "
                                            "1 means the adapter loses as much as the text changes"),
 ]  # fmt: skip
