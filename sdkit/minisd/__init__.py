@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-# In float32, the default on a CPU: 55 min measured on a Xeon; 48 at bench_minisd's 40.5 samples/s
-# on an AMD EPYC (README "Speed").
-SHIPPED_TRAINING_TIME = "48-55 min on 2 CPU cores"
+# In float32, the default on a CPU, alone on 2 cores: 55 min on a Xeon without AMX (the shipped
+# model), 37-43 min on a Xeon with AMX (seeds 2, 4, 5 and 6), 48 at bench_minisd's 40.5 samples/s on
+# an AMD EPYC (README "Speed", "Reproducible").
+SHIPPED_TRAINING_TIME = "37-55 min on 2 CPU cores"
 # train.py's choices, here so that the CLI offers them without importing torch
 PRECISIONS = ("auto", "bf16", "bf16-fp32-ends", "fp32")
 LR_SCHEDULES = ("cosine", "constant")
