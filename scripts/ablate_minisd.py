@@ -256,8 +256,8 @@ def trained_as_row(folder: Path, record: dict) -> dict | str:
     training = spec.training
     if not training:
         return "its minisd.json records no training"
-    if spec.checkpoint_note():
-        return f"it is {spec.checkpoint_note()}"
+    if note := spec.checkpoint_note():
+        return f"it is {note}"
     if not same_recipe(training["settings"], record["settings"]):
         return "trained with other settings"
     if (spec.text_encoder, spec.layer) != (record["text_encoder"], record["layer"]):

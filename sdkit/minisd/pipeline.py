@@ -99,8 +99,8 @@ class MiniSDSpec:
         write_json(Path(folder) / SPEC_FILE, asdict(self))
 
     def checkpoint_note(self) -> str | None:
-        """"a checkpoint's model, step N of M" for the weights a run in progress saved (`--checkpoints
-        DIR` writes them to DIR/model), None for a finished run's model."""
+        """For the weights a run in progress saved (`--checkpoints DIR` writes them to DIR/model),
+        "a checkpoint's model, step N of M"; None for a finished run's model."""
         step = self.training.get("checkpoint_step")
         if step is None:
             return None
