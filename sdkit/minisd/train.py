@@ -511,7 +511,7 @@ class CrossAttentionMaps:
         from diffusers.models.attention_processor import AttnProcessor
 
         # One holder per layer, written and never read inside the layer: a shared dict, read and
-        # grown inside the compiled blocks, made torch.compile recompile them past its limit.
+        # grown inside compiled code, made torch.compile recompile it past its limit.
         self.layers: dict[str, SimpleNamespace] = {}
         for name, module in unet.named_modules():
             if name.endswith("attn2"):
