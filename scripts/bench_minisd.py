@@ -3,11 +3,11 @@
 Both loops train the minisd preset on the same batches (the generator's images and captions, the
 same noise and timesteps). The plain loop is what a first training script does: float32, eager,
 forward, MSE, backward, AdamW step and nothing else. Ours is `sdkit.minisd.train.train` with its
-defaults (precision auto: float32 on a CPU, bfloat16 autocast with float32 ends on a GPU that has it; bmm attention
-on the CPU, the U-Net compiled: whole in bfloat16, block by block in float32; the parameters in one flat tensor for fused AdamW,
-clipping and EMA, freed memory kept for reuse), with everything a real run does besides (Min-SNR
-weighting, gradient clipping, EMA, logging), and on a CPU also with `--precision bf16` and
-`bf16-fp32-ends` (on a GPU, `bf16` and `fp32`). Each loop
+defaults (precision auto: float32 on a CPU, bfloat16 autocast with float32 ends on a GPU that has
+it; bmm attention on the CPU; the U-Net compiled, whole in bfloat16 and block by block in float32;
+the parameters in one flat tensor for fused AdamW, clipping and EMA; freed memory kept for reuse),
+with everything a real run does besides (Min-SNR weighting, gradient clipping, EMA, logging), and on
+a CPU also with `--precision bf16` and `bf16-fp32-ends` (on a GPU, `bf16` and `fp32`). Each loop
 runs in a fresh process of its own, as a user's script would, so none inherits another's compiled
 code or allocator state. Samples/s are steady-state rates, measured after warm-up steps (for ours,
 after compilation, whose time is printed apart), in interleaved rounds. It prints the rates, the

@@ -342,7 +342,7 @@ def compile_unet(unet, precision: str) -> None:
     In bfloat16 the whole U-Net compiled trains about 1.1x faster than its blocks compiled (the AMX
     Xeon, batch 32, forward and backward: 310-322 against 349-354 ms), as inductor fuses its norms,
     activations and casts around the convolutions too. In float32 it was no faster (667-675 against
-    647-659 ms), and the blocks are the path the shipped model's bits come from, so float32 keeps it.
+    647-659 ms), and the blocks are the path the shipped model's bits come from, so float32 keeps them.
 
     Compiled whole, the U-Net's gradients were wrong until its upsamplers were rewritten (see
     upsample_by_broadcast): training ran, the loss fell, and a 1,600-step model drew nothing it was
