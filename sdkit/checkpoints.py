@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .common import SdkitError
+from .common import SdkitError, first_line
 from .presets import PRESETS, preset_config
 from .safetensors_header import TensorInfo, read_safetensors_header
 
@@ -314,8 +314,10 @@ def _index_folder(path: Path, allow_pickle: bool) -> CheckpointIndex:
     index = index_tensors(str(path), "folder", tensors, bytes_read)
     try:
         index.config = json.loads((unet_dir / "config.json").read_text())
-    except (OSError, ValueError):
-        index.config = None
+    except (OSError, ValueError) as e:
+        raise SdkitError(f"{unet_dir / 'config.json'}: cannot read it ({first_line(e)})") from None
+    if not isinstance(index.config, dict):
+        raise SdkitError(f"{unet_dir / 'config.json'}: a U-Net config is a JSON object, not a {type(index.config).__name__}")
     return index
 
 

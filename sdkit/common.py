@@ -50,7 +50,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _is_special(path: Path) -> bool:
+def is_special(path: Path) -> bool:
     """A device, pipe or socket: something to write through, never to replace."""
     try:
         mode = path.stat().st_mode
@@ -69,7 +69,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     through as a stream once the body has succeeded, never replaced by a file.
     """
     path = Path(path)
-    if _is_special(path):
+    if is_special(path):
         with tempfile.TemporaryDirectory(prefix="sdkit-") as folder:
             tmp = Path(folder) / path.name
             yield tmp
@@ -103,33 +103,96 @@ def _make_readable(folder: Path) -> None:
             os.chmod(os.path.join(root, name), 0o666 & ~mask)
 
 
-@contextlib.contextmanager
-def atomic_folder(path: str | os.PathLike) -> Iterator[Path]:
-    """Fill a temporary folder beside `path`; if the body succeeds, each entry it wrote replaces the
-    entry of the same name in `path` (each by a rename; the old one is removed only after).
+# A folder sdkit writes as a whole (a model, adapters, maps) holds this file, written last: which
+# kind of folder it is, and every file sdkit put there. A folder is sdkit's only if this file says so
+# (a file of the same name that a user or another tool wrote is not enough); rewriting the folder
+# replaces and removes only the files listed, and refuses to replace any other.
+FOLDER_RECORD = "sdkit.json"
+FOLDER_RECORD_VERSION = 1
+MODEL_FOLDER, ADAPTERS_FOLDER, MAPS_FOLDER = FOLDER_KINDS = ("minisd-model", "adapters", "maps")
 
-    Entries of `path` that the body did not write are kept: a model folder's findings/, or a
-    user's own files. Folders go in before files, so the file that marks the folder as complete
-    (minisd.json, report.json) arrives last.
+
+def folder_record(path: str | os.PathLike) -> dict | None:
+    """The record of a folder sdkit wrote ({"kind", "version", "files"}), or None where there is
+    none or it is not one of ours."""
+    try:
+        record = json.loads((Path(path) / FOLDER_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    if not (isinstance(record, dict) and record.get("written_by") == "sdkit" and record.get("kind") in FOLDER_KINDS
+            and type(record.get("version")) is int and isinstance(record.get("files"), list)
+            and all(isinstance(f, str) for f in record["files"])):  # fmt: skip
+        return None
+    return record
+
+
+def _files_under(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() or p.is_symlink())
+
+
+@contextlib.contextmanager
+def atomic_folder(path: str | os.PathLike, kind: str) -> Iterator[Path]:
+    """Fill a temporary folder beside `path`; if the body succeeds, move what it wrote into `path`.
+
+    `path` must be new, empty, or a folder of this kind that sdkit wrote (see check_output_folder).
+    Each file the body wrote replaces the file of the same name (by a rename; the old one is removed
+    only after); a file sdkit wrote there before and did not write now is removed; everything else
+    (a model folder's findings/, a user's notes inside unet/) is kept, and a file sdkit did not
+    write is never replaced: that is refused before anything moves. The folder's record
+    (FOLDER_RECORD) goes in last, listing the files written.
     """
+    if kind not in FOLDER_KINDS:
+        raise ValueError(f"unknown folder kind {kind!r}")
     path = Path(path)
+    check_output_folder(path, kind)
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temps(path)
     tmp = Path(tempfile.mkdtemp(prefix=f"{_temp_prefix(path)}{os.getpid()}-", suffix=".tmp", dir=path.parent))
     try:
         yield tmp
+        written = _files_under(tmp)
+        if FOLDER_RECORD in written:
+            raise ValueError(f"{FOLDER_RECORD} is the folder's record, written by atomic_folder itself")
+        record = {"written_by": "sdkit", "kind": kind, "version": FOLDER_RECORD_VERSION, "files": written}
         _make_readable(tmp)
         if not path.exists():
+            (tmp / FOLDER_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+            os.chmod(tmp / FOLDER_RECORD, 0o666 & ~_umask())
             os.replace(tmp, path)
             return
+        before = set((folder_record(path) or {}).get("files", ()))
+        for name in written:  # refused before anything moves: the folder stays as it was
+            target = path / name
+            if (target.exists() or target.is_symlink()) and (name not in before or not target.is_file()):
+                raise SdkitError(f"{target}: sdkit did not write this, and writing {path} would replace it; "
+                                 "move it away or choose another folder")  # fmt: skip
+            blocker = next((p for p in target.parents if p != path and path in p.parents and
+                            (p.is_symlink() or (p.exists() and not p.is_dir()))), None)  # fmt: skip
+            if blocker is not None:
+                raise SdkitError(f"{blocker}: sdkit did not write this, and writing {path} needs a folder there")
+        # While files move the record lists both the old files and the new, marked incomplete: a
+        # crash then leaves a folder the next write still recognises, and nothing unlisted.
+        interim = {**record, "files": sorted(before | set(written)), "complete": False}
+        write_json(path / FOLDER_RECORD, interim)
         old = Path(tempfile.mkdtemp(prefix=f"{_temp_prefix(path)}{os.getpid()}-", suffix=".tmp", dir=path.parent))
-        for entry in sorted(tmp.iterdir(), key=lambda e: (not e.is_dir(), e.name)):
-            target = path / entry.name
-            if target.exists() or target.is_symlink():
-                os.replace(target, old / entry.name)
-            os.replace(entry, target)
+        for name in written:
+            target = path / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if target.exists():
+                (old / name).parent.mkdir(parents=True, exist_ok=True)
+                os.replace(target, old / name)
+            os.replace(tmp / name, target)
+        for name in sorted(before - set(written)):  # ours, from the last write, not written now
+            stale = path / name
+            if stale.is_file() or stale.is_symlink():
+                stale.unlink()
+                for parent in stale.parents:
+                    if parent == path or any(parent.iterdir()):
+                        break
+                    parent.rmdir()
+        write_json(path / FOLDER_RECORD, record)
         shutil.rmtree(old)
-        tmp.rmdir()
+        shutil.rmtree(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -158,12 +221,12 @@ def check_output(path: str | os.PathLike, what: str = "output", folder: bool = F
         raise SdkitError(f"{path}: {what} must be a file, but a folder is there")
     if not folder and path.exists() and not os.access(path, os.W_OK):
         raise SdkitError(f"{path}: {what} exists and cannot be overwritten (permission denied)")
-    if not folder and path.exists():
+    if not folder:
         source = next((i for i in inputs if i and _reads(Path(i), path)), None)
         if source is not None:
-            raise SdkitError(f"{path}: the {what} would overwrite an input of this command ({source}); "
+            raise SdkitError(f"{path}: the {what} would land on what this command reads ({source}); "
                              "choose another path")  # fmt: skip
-    if _is_special(path):
+    if is_special(path):
         return path
     existing = path if folder and path.is_dir() else path.parent
     while not existing.exists():
@@ -180,37 +243,64 @@ def check_output(path: str | os.PathLike, what: str = "output", folder: bool = F
 
 
 def _reads(source: Path, path: Path) -> bool:
-    """Whether a command reading `source` (a file, or a model folder) reads the existing file `path`.
+    """Whether a command reading `source` (a file or a folder) may read `path`, or writing `path`
+    could change what it reads.
 
-    A model folder's files are those at its top and in its component folders (unet/, scheduler/,
-    text_encoder/, ...: the subfolders holding a config); other subfolders (findings/) are not read.
-    """
+    A file reads itself. A folder sdkit wrote reads the files its record lists, the record, and its
+    component folders (unet/, scheduler/); its other entries (findings/) are not read. Any other
+    folder (a text encoder, a diffusers pipeline) reads its top-level files and everything inside a
+    folder of it that holds a config, weights or a tokenizer (unet/, text_encoder/, 1_Pooling/)."""
     if not source.exists():
         return False
+    source, path = source.resolve(), path.resolve()
     if source.is_file():
-        return os.path.samefile(source, path)
+        return path == source or (path.exists() and os.path.samefile(source, path))
+    if path == source:
+        return True
     try:
-        inside = path.resolve().relative_to(source.resolve())
+        inside = path.relative_to(source)
     except ValueError:
         return False
-    if len(inside.parts) == 1:
-        return True
-    component = source.resolve() / inside.parts[0]
-    return len(inside.parts) == 2 and any(component.glob("*config*.json"))
+    record = folder_record(source)
+    if record is None:
+        return len(inside.parts) == 1 or any(_holds_model_files(source.joinpath(*inside.parts[:k]))
+                                             for k in range(1, len(inside.parts)))  # fmt: skip
+    components = {Path(name).parts[0] for name in record["files"] if len(Path(name).parts) > 1}
+    return inside.parts[0] == FOLDER_RECORD or str(inside) in record["files"] or inside.parts[0] in components
 
 
-def check_output_folder(path: str | os.PathLike, marker: str, what: str = "output folder", inputs=()) -> Path:
+def _holds_model_files(folder: Path) -> bool:
+    return folder.is_dir() and any(any(folder.glob(pattern)) for pattern in ("*config*.json", "*.safetensors",
+                                                                             "*.bin", "tokenizer*", "vocab*"))
+
+
+def check_output_folder(path: str | os.PathLike, kind: str, what: str = "output folder", inputs=()) -> Path:
     """Refuse, before any work, an output folder that holds what sdkit did not write: a folder may be
-    new, empty, or one sdkit wrote before (it holds `marker`), whose own entries are then replaced
-    while everything else in it is kept (see atomic_folder)."""
+    new, empty, or a folder of this `kind` that sdkit wrote before (its FOLDER_RECORD says so),
+    whose own files are then replaced while everything else in it is kept (see atomic_folder)."""
     path = check_output(path, what, folder=True)
     for source in inputs:
-        if source and Path(source).exists() and path.exists() and os.path.samefile(source, path):
-            raise SdkitError(f"{path}: the {what} is an input of this command; choose another folder")
-    if path.is_dir() and any(path.iterdir()) and not (path / marker).is_file():
-        raise SdkitError(f"{path}: the {what} is not empty and sdkit did not write it (no {marker} there); "
+        if source and (_reads(Path(source), path) or (Path(source).exists() and path.resolve() in
+                                                       (Path(source).resolve(), *Path(source).resolve().parents))):
+            raise SdkitError(f"{path}: the {what} would hold or land on what this command reads ({source}); "
+                             "choose another folder")  # fmt: skip
+    if not path.is_dir() or not any(path.iterdir()):
+        return path
+    record = folder_record(path)
+    if record is None:
+        why = "its sdkit.json is not one sdkit wrote" if (path / FOLDER_RECORD).exists() else "no sdkit.json there"
+        raise SdkitError(f"{path}: the {what} is not empty and sdkit did not write it ({why}); "
                          "choose a new or empty folder")  # fmt: skip
+    if record["kind"] != kind:
+        raise SdkitError(f"{path}: the {what} holds {_KIND_WORDS[record['kind']]} that sdkit wrote, not "
+                         f"{_KIND_WORDS[kind]}; choose another folder")  # fmt: skip
+    if record["version"] > FOLDER_RECORD_VERSION:
+        raise SdkitError(f"{path}: the {what} was written by a newer sdkit (folder record version "
+                         f"{record['version']}); choose another folder or upgrade sdkit")  # fmt: skip
     return path
+
+
+_KIND_WORDS = {"minisd-model": "a mini SD model", "adapters": "trained adapters", "maps": "attention maps"}
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:

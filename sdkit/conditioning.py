@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .common import SdkitError, first_line, format_table, save_figure, write_json
+from .common import MAPS_FOLDER, SdkitError, atomic_folder, first_line, format_table, save_figure, write_json
 from .encoders import ROLES, TextEncoder, TokenRoles, token_roles
 from .geometry import halved
 from .trace import CrossAttentionTrace
@@ -79,7 +79,7 @@ def check_width(unet, conditioning: Conditioning) -> None:
                              f"{width}; an adapter can map one to the other (sdkit adapter)")  # fmt: skip
 
 
-MAPS_FILE = "maps.json"  # written last into a maps folder: it marks the folder as sdkit's
+MAPS_FILE = "maps.json"  # in a maps folder: the words and their pictures
 RUNTIME_BYTES = 64 * 2**20  # thread pools, kernels' workspaces and allocator slack, whatever the size
 
 
@@ -237,30 +237,30 @@ def write_maps(c: Comparison, conditioning: Conditioning, folder, shared_scale: 
     # A shared scale starts at 0 so maps compare; an own scale stretches each map to show its shape.
     vmin, vmax = (0.0, max(float(im.max()) for im in images)) if shared_scale else (None, None)
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for i, ((word, _), image) in enumerate(zip(named, images)):
-        fig, ax = plt.subplots(figsize=(4, 4 * size[0] / size[1] + 0.4), dpi=100)
-        shown = ax.imshow(image.numpy(), cmap="inferno", vmin=vmin, vmax=vmax)
-        ax.set_title(f"{word!r}: {100 * float(c.maps[named[i][1]].sum(0).mean()):.1f} % of attention")
-        ax.axis("off")
-        fig.colorbar(shown, ax=ax, fraction=0.046)
-        paths.append(save_figure(fig, folder / f"{i:02d}_{_file_name(word)}.png"))
-    cols = min(6, len(images))
-    rows = -(-len(images) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(2.2 * cols, 2.4 * rows), dpi=100, squeeze=False)
-    for ax in axes.flat:
-        ax.axis("off")
-    for ax, (word, _), image in zip(axes.flat, named, images):
-        shown = ax.imshow(image.numpy(), cmap="inferno", vmin=vmin, vmax=vmax)
-        ax.set_title(word, fontsize=9)
-        fig.colorbar(shown, ax=ax, fraction=0.046, pad=0.02).ax.tick_params(labelsize=6)
-    fig.suptitle(f"Cross-attention per word ({c.unet}, {'shared' if shared_scale else 'own'} colour scale)", fontsize=10)
-    paths.append(save_figure(fig, folder / "overview.png"))
-    # Last: the list of what was written, which marks the folder as sdkit's maps
-    write_json(folder / MAPS_FILE, {"unet": c.unet, "words": [word for word, _ in named],
-                                    "files": [p.name for p in paths], "shared_scale": shared_scale})  # fmt: skip
-    return paths
+    names = []
+    with atomic_folder(folder, MAPS_FOLDER) as tmp:
+        for i, ((word, _), image) in enumerate(zip(named, images)):
+            fig, ax = plt.subplots(figsize=(4, 4 * size[0] / size[1] + 0.4), dpi=100)
+            shown = ax.imshow(image.numpy(), cmap="inferno", vmin=vmin, vmax=vmax)
+            ax.set_title(f"{word!r}: {100 * float(c.maps[named[i][1]].sum(0).mean()):.1f} % of attention")
+            ax.axis("off")
+            fig.colorbar(shown, ax=ax, fraction=0.046)
+            names.append(save_figure(fig, tmp / f"{i:02d}_{_file_name(word)}.png").name)
+        cols = min(6, len(images))
+        rows = -(-len(images) // cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(2.2 * cols, 2.4 * rows), dpi=100, squeeze=False)
+        for ax in axes.flat:
+            ax.axis("off")
+        for ax, (word, _), image in zip(axes.flat, named, images):
+            shown = ax.imshow(image.numpy(), cmap="inferno", vmin=vmin, vmax=vmax)
+            ax.set_title(word, fontsize=9)
+            fig.colorbar(shown, ax=ax, fraction=0.046, pad=0.02).ax.tick_params(labelsize=6)
+        fig.suptitle(f"Cross-attention per word ({c.unet}, {'shared' if shared_scale else 'own'} colour scale)", fontsize=10)
+        names.append(save_figure(fig, tmp / "overview.png").name)
+        # the list of the pictures, by word
+        write_json(tmp / MAPS_FILE, {"unet": c.unet, "words": [word for word, _ in named], "files": names,
+                                     "shared_scale": shared_scale})  # fmt: skip
+    return [folder / name for name in names]
 
 
 def _file_name(word: str) -> str:

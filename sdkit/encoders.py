@@ -70,7 +70,9 @@ class TextEncoder:
 
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> torch.Tensor:
-        """Per-token states (batch, max_length, width) from the configured layer."""
+        """Per-token states (batch, max_length, width) from the configured layer. A prompt longer
+        than max_length is refused (see check_length), never cut."""
+        self.check_length(list(prompts))
         device = self.model.device
         if self.pads_with_states:
             tokens = self.tokenize(prompts)
@@ -131,11 +133,22 @@ def load_text_encoder(folder: str | os.PathLike, tokenizer_folder: str | os.Path
     try:
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
         cls = CLIPTextModel if config.model_type in ("clip_text_model", "clip") else AutoModel
-        model = cls.from_pretrained(model_dir, local_files_only=True,
-                                    use_safetensors=None if allow_pickle else True).to(device).eval()  # fmt: skip
+        model, info = cls.from_pretrained(model_dir, local_files_only=True, output_loading_info=True,
+                                          use_safetensors=None if allow_pickle else True)  # fmt: skip
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     except Exception as e:  # transformers raises many types (a pickle weights_only refuses among them): all mean that
         raise SdkitError(f"{folder}: cannot load the text encoder ({str(e).strip().splitlines()[0]})") from None
+    # transformers fills missing weights with a fresh random draw and drops unexpected ones, with no
+    # more than a log line: states from such an encoder differ at each load. Held as the U-Net's
+    # loading holds its keys. The pooler is never read for token states, so its absence is no loss.
+    missing = sorted(k for k in info["missing_keys"] if not k.startswith("pooler."))
+    unexpected = sorted(info["unexpected_keys"])
+    if missing or unexpected:
+        parts = [f"{len(keys)} {what} (first: {keys[0]})" for what, keys in
+                 (("missing", missing), ("unexpected", unexpected)) if keys]  # fmt: skip
+        raise SdkitError(f"{model_dir}: the weights do not match the model its config names ({config.model_type}): "
+                         f"{' and '.join(parts)}; a wrong or damaged text encoder")  # fmt: skip
+    model = model.to(device).eval()
     return TextEncoder(tokenizer, model, layer, str(folder), context_length)
 
 

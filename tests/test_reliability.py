@@ -504,12 +504,16 @@ def test_16_files_honour_the_umask(tmp_path, umask):
         save_dir = tmp_path / "model"
         from sdkit.common import atomic_folder
 
-        with atomic_folder(save_dir) as tmp:
+        with atomic_folder(save_dir, "maps") as tmp:
             (tmp / "f").write_text("x")
+        with atomic_folder(save_dir, "maps") as tmp:  # the second write moves files into the folder
+            (tmp / "g").write_text("x")
     finally:
         os.umask(old)
     assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o666 & ~umask
     assert save_dir.stat().st_mode & 0o777 == 0o777 & ~umask
+    for name in ("g", "sdkit.json"):
+        assert (save_dir / name).stat().st_mode & 0o777 == 0o666 & ~umask
 
 
 def test_17_no_stale_temp_after_a_kill(tmp_path):

@@ -14,14 +14,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..common import SdkitError, atomic_folder, format_table, write_json
+from ..common import ADAPTERS_FOLDER, SdkitError, atomic_folder, check_output_folder, format_table, write_json
 from ..encoders import TextEncoder, encoder_fingerprint
 from .model import KINDS, TextEncoderAdapter
 from .prompts import ROLE_CODES, EncodedPrompts, distinct_prompts, encode_prompts
 from .training import TrainConfig, check_checkpoint, fit_lstsq, preflight_adapter, split_by_prompt, train_adapter
 
 METHODS = ("width_only", "mean", "lstsq", "linear", "mlp", "mixer")
-REPORT_FILE = "report.json"  # written last into --out: it marks the folder as sdkit's
+REPORT_FILE = "report.json"  # beside the adapters in --out
 
 
 def _cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -181,6 +181,8 @@ def compare_adapters(new: TextEncoder, old: TextEncoder, prompts: list[str], kin
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown:
         raise SdkitError(f"unknown adapter kind {unknown[0]!r}; choose from {', '.join(KINDS)}")
+    if out_dir:
+        check_output_folder(out_dir, ADAPTERS_FOLDER, "adapters folder")
     prompts, merged = distinct_prompts(new, old, prompts)
     train_idx, val_idx, test_idx = split_by_prompt(len(prompts), seed, train_only=[i for i, p in enumerate(prompts)
                                                                                     if not p.strip()])  # fmt: skip
@@ -243,12 +245,12 @@ def compare_adapters(new: TextEncoder, old: TextEncoder, prompts: list[str], kin
             report.methods[method].update(_aggregate(unet_parts))
             report.methods[method]["interval"].update(bootstrap_intervals(unet_parts, seed=seed))
     if out_dir:
-        for kind in ("lstsq", *kinds):  # lstsq too: it often ties for best
-            folder = Path(out_dir) / kind
-            with atomic_folder(folder) as tmp:
-                adapters[kind].save_pretrained(tmp)
-            report.saved[kind] = str(folder)
-        write_json(Path(out_dir) / REPORT_FILE, report.to_json())
+        kept = ("lstsq", *kinds)  # lstsq too: it often ties for best
+        report.saved = {kind: str(Path(out_dir) / kind) for kind in kept}
+        with atomic_folder(out_dir, ADAPTERS_FOLDER) as tmp:
+            for kind in kept:
+                adapters[kind].save_pretrained(tmp / kind)
+            write_json(tmp / REPORT_FILE, report.to_json())
     return report
 
 

@@ -6,8 +6,8 @@ import argparse
 import json
 import sys
 
-from ..common import SdkitError, check_output
-from .common import (ADAPTER_KINDS, ADAPTERS_MARKER, CACHE_DEFAULT, CACHE_HELP, LAYERS, Parser, adapter_kinds, add_json,
+from ..common import ADAPTERS_FOLDER, SdkitError
+from .common import (ADAPTER_KINDS, CACHE_DEFAULT, CACHE_HELP, LAYERS, Parser, adapter_kinds, add_json,
                      add_subcommand, at_most,
                      cache_folder, check_input, check_outputs, minisd_spec,
                      nonnegative_float, nonnegative_int, phase, positive_float, positive_int, progress_bar, seed,
@@ -22,8 +22,11 @@ def cmd_adapter(args) -> None:
 
     if not args.adapter_command:
         phase.clear()
-        print(explanation(args.encoders_dir))
+        print(explanation(args.explain_encoders_dir))
         return
+    if "explain_encoders_dir" in args.given:  # the group's, which no subcommand reads
+        raise SdkitError(f"--encoders-dir before '{args.adapter_command}' only says where `sdkit adapter` looks when it "
+                         f"explains itself; put it after the subcommand")  # fmt: skip
     args.adapter_func(args)
 
 
@@ -47,6 +50,8 @@ def _run_comparison(args, new_dir, old_dir, prompts, note: str | None = None) ->
     new = load_text_encoder(new_dir, layer=args.new_layer, allow_pickle=args.allow_pickle, **length)
     old = load_text_encoder(old_dir, layer=args.old_layer, allow_pickle=args.allow_pickle, **length)
     unet = load_unet(args.unet, allow_pickle=args.allow_pickle) if args.unet != "none" else None
+    if spec:
+        spec.check_unet(unet, args.unet)
     if spec and spec.place_embeddings:  # not in the weights file: a function of the shapes
         from ..minisd.pipeline import add_place_embeddings
 
@@ -78,9 +83,8 @@ def _run_comparison(args, new_dir, old_dir, prompts, note: str | None = None) ->
     show_result(args, data, table)
 
 
-def _check_training_outputs(args, inputs=()) -> None:
-    check_outputs(args, folders=("cache", "checkpoints"), owned={"out": ADAPTERS_MARKER},
-                   inputs=[args.unet, *inputs])  # fmt: skip
+def _check_training_outputs(args) -> None:
+    check_outputs(args, folders=("cache", "checkpoints"), owned={"out": ADAPTERS_FOLDER})
 
 
 def cmd_adapter_demo(args) -> None:
@@ -95,7 +99,7 @@ def cmd_adapter_demo(args) -> None:
 
 
 def cmd_adapter_train(args) -> None:
-    _check_training_outputs(args, inputs=[args.new, args.old, args.corpus])
+    _check_training_outputs(args)
     for flag in ("new", "old"):
         check_input(getattr(args, flag), f"--{flag}")
     from ..adapter import generate_prompts, read_prompts
@@ -112,7 +116,7 @@ def cmd_adapter_train(args) -> None:
 
 
 def cmd_adapter_encode(args) -> None:
-    check_output(args.out, "--out file", inputs=[args.adapter, args.new])
+    check_outputs(args, files=("out",))
     check_input(args.adapter, "--adapter")
     check_input(args.new, "--new")
     from safetensors.torch import save_file
@@ -139,7 +143,8 @@ def register(sub) -> None:
                        description="Swap the text encoder of a frozen SD 1.x U-Net with a trained adapter. "
                                    "Without a subcommand, explains itself.")  # fmt: skip
     p.set_defaults(func=cmd_adapter)
-    p.add_argument("--encoders-dir", default="weights/encoders", help=argparse.SUPPRESS)
+    p.add_argument("--encoders-dir", dest="explain_encoders_dir", default="weights/encoders",
+                   help="without a subcommand: where the real encoders are looked for")  # fmt: skip
     adapter_sub = p.add_subparsers(dest="adapter_command", metavar="SUBCOMMAND", parser_class=Parser)
 
     def training_options(q, default_out):

@@ -9,7 +9,7 @@ COMPUTE_ONLY = ("height", "width", "batch", "cfg", "dtype", "text_tokens", "swee
 
 
 def cmd_audit(args) -> None:
-    check_outputs(args, pictures=("plot",), inputs=[args.model])
+    check_outputs(args, pictures=("plot",))
     if not args.compute:
         refuse_options(args, COMPUTE_ONLY, "without --compute")
         from ..audit import audit, format_audit

@@ -15,9 +15,6 @@ import sys
 from ..common import SdkitError, check_output, check_output_folder, write_json
 
 PRESET_NAMES = "sd15, sd21, sdxl, tiny, minisd"  # presets.PRESETS, without importing torch to say so
-# The file that marks a folder as one sdkit wrote (minisd.pipeline.SPEC_FILE, adapter.REPORT_FILE,
-# conditioning.MAPS_FILE), named here so that outputs are checked before torch is imported.
-MODEL_MARKER, ADAPTERS_MARKER, MAPS_MARKER = "minisd.json", "report.json", "maps.json"
 LAYERS = ("last", "penultimate")  # encoders.LAYERS
 ADAPTER_KINDS = ("linear", "mlp", "mixer")  # adapter.KINDS
 STEERING_OBJECTIVES = ("excite", "bind", "layout")  # steering.OBJECTIVES
@@ -63,24 +60,21 @@ class Parser(argparse.ArgumentParser):
 
 
 def given_options(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
-    """The dests of the options written on the command line (not left at their defaults)."""
-    dests: dict[str, str] = {}
-
-    def collect(p):
-        for action in p._actions:
-            dests.update(dict.fromkeys(action.option_strings, action.dest))
-            if isinstance(action, argparse._SubParsersAction):
-                for child in action.choices.values():
-                    collect(child)
-
-    collect(parser)
+    """The dests of the options written on the command line (not left at their defaults), each read
+    by the parser it was given to: a group's option before its subcommand is the group's."""
     given = set()
+    current = parser
     for token in argv:
         if token == "--":
             break
+        actions = {option: action for action in current._actions for option in action.option_strings}
         option = token.split("=", 1)[0]
-        if option in dests:
-            given.add(dests[option])
+        if option in actions:
+            given.add(actions[option].dest)
+            continue
+        subcommands = next((a for a in current._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if subcommands is not None and token in subcommands.choices:
+            current = subcommands.choices[token]
     return given
 
 
@@ -318,19 +312,29 @@ def progress_bar(args, **kwargs):
     return phase.bar
 
 
-def check_outputs(args, files=(), pictures=(), folders=(), owned: dict | None = None, inputs=()) -> None:
+# Every flag through which a command reads a file or folder (defaults included): no output of the
+# command may land on what it reads.
+INPUT_FLAGS = ("model", "unet", "text_encoder", "tokenizer", "encoders_dir", "pooled_model", "new", "old", "adapter",
+               "corpus", "minisd")  # fmt: skip
+
+
+def check_outputs(args, files=(), pictures=(), folders=(), owned: dict | None = None) -> None:
     """Check every output path the command will write, before it starts working.
 
     files: flags naming output files; pictures: those naming pictures (PNG, SVG or PDF by suffix);
     folders: flags naming folders the command adds its own files to (caches, checkpoints); owned:
-    flag -> marker file, for folders the command writes as a whole (a model, adapters, maps): new,
-    empty, or written by sdkit before. inputs: what the command reads, which no output may overwrite."""
+    flag -> kind (common.FOLDER_KINDS), for folders the command writes as a whole (a model,
+    adapters, maps): new, empty, or a folder of that kind that sdkit wrote. No output may be
+    something the command reads (INPUT_FLAGS), or another of its outputs, or lie inside a folder
+    it writes."""
     from pathlib import Path
 
     from ..common import FIGURE_FORMATS
 
+    owned = owned or {}
+    inputs = [str(getattr(args, flag)) for flag in INPUT_FLAGS if getattr(args, flag, None)]
     # An empty path given on purpose is not "no output": refused before the work, which would end on it
-    for flag in ("json_out", *files, *pictures, *folders, *(owned or {})):
+    for flag in ("json_out", *files, *pictures, *folders, *owned):
         if getattr(args, flag, None) == "":
             raise SdkitError(f"--{flag.replace('_', '-')} is empty: name the path to write")
     if getattr(args, "json_out", None):
@@ -346,9 +350,32 @@ def check_outputs(args, files=(), pictures=(), folders=(), owned: dict | None = 
     for flag in folders:
         if getattr(args, flag, None):
             check_output(getattr(args, flag), f"--{flag.replace('_', '-')} folder", folder=True)
-    for flag, marker in (owned or {}).items():
+    for flag, kind in owned.items():
         if getattr(args, flag, None):
-            check_output_folder(getattr(args, flag), marker, f"--{flag.replace('_', '-')} folder", inputs=inputs)
+            check_output_folder(getattr(args, flag), kind, f"--{flag.replace('_', '-')} folder", inputs=inputs)
+    _check_apart(args, ("json_out", *files, *pictures), (*folders, *owned))
+
+
+def _check_apart(args, file_flags, folder_flags) -> None:
+    """Outputs of one command never land on each other: no two name the same path, and no file
+    is written inside a folder the command writes (it would be replaced, or replace what is there)."""
+    import os
+    from pathlib import Path
+
+    from ..common import is_special
+
+    given = [(flag, Path(os.path.abspath(getattr(args, flag)))) for flag in (*file_flags, *folder_flags)
+             if getattr(args, flag, None) and not is_special(Path(getattr(args, flag)))]  # fmt: skip
+    folders = set(folder_flags)
+    for i, (flag, path) in enumerate(given):
+        for other, other_path in given[i + 1 :]:
+            if path == other_path:
+                raise SdkitError(f"{path}: --{flag.replace('_', '-')} and --{other.replace('_', '-')} name the "
+                                 "same path; give each output its own")  # fmt: skip
+        for other, folder in given:
+            if other in folders and other != flag and folder in path.parents and flag not in folders:
+                raise SdkitError(f"{path}: the --{flag.replace('_', '-')} file would be inside the "
+                                 f"--{other.replace('_', '-')} folder this command writes; choose a path outside it")  # fmt: skip
 
 
 def check_input(path: str, what: str) -> None:

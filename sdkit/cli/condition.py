@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..common import SdkitError
-from .common import (LAYERS, MAPS_MARKER, PRESET_NAMES, add_json, check_input, check_outputs, grid_sides,
+from ..common import MAPS_FOLDER, SdkitError
+from .common import (LAYERS, PRESET_NAMES, add_json, check_input, check_outputs, grid_sides,
                      latent_size, minisd_spec, nonnegative_float, nonnegative_int, phase, positive_int,
                      progress_bar, refuse_options, seed, show_result)  # fmt: skip
 
@@ -80,8 +80,7 @@ MINISD_ONLY = ("count", "guidance", "steps", "plot", "timesteps", "pooled_model"
 
 
 def cmd_condition(args) -> None:
-    check_outputs(args, pictures=("plot",), owned={"maps": MAPS_MARKER},
-                  inputs=[args.unet, args.text_encoder, args.tokenizer, args.pooled_model])
+    check_outputs(args, pictures=("plot",), owned={"maps": MAPS_FOLDER})
     if args.masks and args.generate:
         raise SdkitError("choose one of --masks and --generate")
     if args.masks or args.generate:
@@ -110,6 +109,8 @@ def cmd_condition(args) -> None:
     phase(f"building {args.unet} with random weights" if args.unet in PRESETS else f"loading {args.unet}")
     unet = load_unet(args.unet, allow_pickle=args.allow_pickle)
     spec = minisd_spec(args.unet)
+    if spec is not None:
+        spec.check_unet(unet, args.unet)
     if spec is not None and spec.place_embeddings:  # not in the weights file: a function of the shapes
         from ..minisd.pipeline import add_place_embeddings
 

@@ -6,7 +6,7 @@ from .common import add_json, check_input, check_outputs, progress_bar, refuse_o
 
 
 def cmd_memory(args) -> None:
-    check_outputs(args, pictures=("plot",), inputs=[args.minisd])
+    check_outputs(args, pictures=("plot",))
     if args.quick:  # the quick run measures random keys only
         refuse_options(args, ("minisd", "encoders_dir"), "with --quick (it measures random keys only)")
     for dest, what in (("minisd", "--minisd"), ("encoders_dir", "--encoders-dir")):

@@ -6,9 +6,9 @@ import argparse
 import os
 from dataclasses import asdict
 
-from ..common import SdkitError
+from ..common import MODEL_FOLDER, SdkitError, check_output_folder
 from ..minisd import LR_SCHEDULES, PRECISIONS, SHIPPED_TRAINING_TIME
-from .common import (CACHE_DEFAULT, CACHE_HELP, LAYERS, MODEL_MARKER, Parser, add_json, add_subcommand, cache_folder, check_input, check_outputs, nonnegative_float, nonnegative_int,
+from .common import (CACHE_DEFAULT, CACHE_HELP, LAYERS, Parser, add_json, add_subcommand, cache_folder, check_input, check_outputs, nonnegative_float, nonnegative_int,
                      phase, positive_float, positive_int, progress_bar, refuse_options, seed, show_result,
                      steering_objectives)  # fmt: skip
 
@@ -20,8 +20,13 @@ def cmd_minisd(args) -> None:
         from ..minisd import explanation
 
         phase.clear()
-        print(explanation(args.model, args.encoders_dir))
+        print(explanation(args.explain_model, args.explain_encoders_dir))
         return
+    # Given before the subcommand, they would be the group's, which the subcommand does not read
+    for dest, option in (("explain_model", "--model"), ("explain_encoders_dir", "--encoders-dir")):
+        if dest in args.given:
+            raise SdkitError(f"{option} before '{args.minisd_command}' only says which model `sdkit minisd` explains; "
+                             f"put it after the subcommand: sdkit minisd {args.minisd_command} {option} ...")  # fmt: skip
     args.minisd_func(args)
 
 
@@ -42,8 +47,9 @@ def train_settings(args):
 
 
 def cmd_minisd_train(args) -> None:
-    check_outputs(args, folders=("cache", "checkpoints"), owned={"out": MODEL_MARKER},
-                   inputs=[args.text_encoder, args.encoders_dir])  # fmt: skip
+    check_outputs(args, folders=("cache", "checkpoints"), owned={"out": MODEL_FOLDER})
+    if args.checkpoints:  # the run so far goes to DIR/model: the same rule as --out
+        check_output_folder(os.path.join(args.checkpoints, "model"), MODEL_FOLDER, "--checkpoints model folder")
     from ..encoders import load_text_encoder
     from ..minisd.train import train
 
@@ -99,7 +105,7 @@ def _steering_title(settings) -> str:
 
 
 def cmd_minisd_sample(args) -> None:
-    check_outputs(args, pictures=("out",), inputs=[args.model, args.text_encoder])
+    check_outputs(args, pictures=("out",))
     from ..minisd.evaluate import sample_grid
 
     if args.first_seed + args.seeds > 2**63:
@@ -128,7 +134,7 @@ def cmd_minisd_sample(args) -> None:
 
 
 def cmd_minisd_eval(args) -> None:
-    check_outputs(args, pictures=("panel",), inputs=[args.model, args.text_encoder])
+    check_outputs(args, pictures=("panel",))
     from ..minisd.evaluate import SETS, draw_panel, evaluate, format_evaluation
 
     sets = [s for s in args.sets.split(",") if s]
@@ -156,8 +162,10 @@ def register(sub) -> None:
                                    "token states, trained on captioned shapes whose masks are known. Without a "
                                    "subcommand, explains itself.")  # fmt: skip
     p.set_defaults(func=cmd_minisd)
-    p.add_argument("--model", default="weights/minisd", help=argparse.SUPPRESS)
-    p.add_argument("--encoders-dir", default="weights/encoders", help=argparse.SUPPRESS)
+    p.add_argument("--model", dest="explain_model", default="weights/minisd",
+                   help="without a subcommand: the mini SD folder to explain")  # fmt: skip
+    p.add_argument("--encoders-dir", dest="explain_encoders_dir", default="weights/encoders",
+                   help="without a subcommand: where its text encoder is looked for")  # fmt: skip
     minisd_sub = p.add_subparsers(dest="minisd_command", metavar="SUBCOMMAND", parser_class=Parser)
 
     def encoder_options(q):

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from ..common import format_table
+from ..common import SdkitError, format_table
 from ..encoders import token_roles
 from .evaluate import prompt_set
 from .judge import ATTRIBUTES, HEADERS, accuracy, accuracy_cells, judge
@@ -93,6 +93,12 @@ def compare_token_conditions(pipe: MiniSDPipeline, pooled_pipe: MiniSDPipeline |
                              guidance_scale: float = 4.0, steps: int = 25, grid_prompts: int = 3,
                              model_name: str = "model", pooled_name: str | None = None,
                              progress=None) -> TokenComparison:  # fmt: skip
+    if pipe.spec.conditioning != "tokens":
+        raise SdkitError(f"{model_name}: the conditions are cut from every token's state, and this model was trained "
+                         f"on the {pipe.spec.conditioning} state; give a model trained on tokens")  # fmt: skip
+    if pooled_pipe is not None and pooled_pipe.spec.conditioning != "pooled":
+        raise SdkitError(f"{pooled_name}: the pooled-trained model must be trained on the pooled state (sdkit minisd "
+                         f"train --conditioning pooled); this one was trained on {pooled_pipe.spec.conditioning}")  # fmt: skip
     start = time.perf_counter()
     results: dict[str, dict] = {}
     grid: dict[str, list] = {}

@@ -6,6 +6,7 @@ A model folder holds what diffusers would write, plus one small JSON:
     unet/        config.json + diffusion_pytorch_model.safetensors (the EMA weights)
     scheduler/   scheduler_config.json (DDPM, SD 1.x's scaled_linear betas)
     minisd.json  the text encoder and layer it reads, how it conditions, how it was trained
+    sdkit.json   the folder's record: a mini SD model that sdkit wrote, and the files it wrote
 
     pipe = MiniSDPipeline.from_pretrained("weights/minisd")
     images = pipe(["a red circle at the top left"], seeds=[0]).images    # (1, 32, 32, 3) in [0, 1]
@@ -21,12 +22,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..common import SdkitError, atomic_folder, first_line, write_json
+from ..common import MODEL_FOLDER, SdkitError, atomic_folder, first_line, write_json
 from ..encoders import TextEncoder
 from .data import from_model
 
 SPEC_FILE = "minisd.json"
 CONDITIONINGS = ("tokens", "pooled")
+MAX_IMAGE_SIZE = 512  # far past the 32 and 64 pixels trained here; the data are drawn at this side
+MAX_TRAIN_TIMESTEPS = 10_000  # SD's 1,000 ten times over; the scheduler allocates tables of this length
+PREDICTION_TYPES = ("epsilon", "v_prediction")  # what the sampler turns into a clean image
 DEFAULT_ENCODERS_DIR = "weights/encoders"
 # SD 1.x's training schedule (and, as SD, no clipping of the predicted image: with guidance, DDIM's
 # clipped x0 turns the guided noise estimate into noise). "trailing" spacing starts sampling at the
@@ -84,12 +88,17 @@ class MiniSDSpec:
             return f"max_length must be a whole number of token positions (1 or more), not {self.max_length!r}"
         if self.conditioning not in CONDITIONINGS:
             return f"unknown conditioning {self.conditioning!r}; one of {', '.join(CONDITIONINGS)}"
-        if not whole(self.image_size, 12):
-            return f"image_size must be a whole number of pixels (12 or more), not {self.image_size!r}"
+        if not whole(self.image_size, 12) or self.image_size > MAX_IMAGE_SIZE:
+            return f"image_size must be a whole number of pixels from 12 to {MAX_IMAGE_SIZE}, not {self.image_size!r}"
         if self.space != "pixels":
             return f"space must be 'pixels' (the mini SD has no VAE), not {self.space!r}"
         if not isinstance(self.training, dict):
             return "training must be an object"
+        # the parts of the record that commands read back
+        if not isinstance(self.training.get("settings", {}), dict):
+            return "training.settings must be an object"
+        if "checkpoint_step" in self.training and not whole(self.training["checkpoint_step"], 1):
+            return f"training.checkpoint_step must be a whole number of steps, not {self.training['checkpoint_step']!r}"
         for name in ("coordinates", "place_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 return f"{name} must be true or false, not {getattr(self, name)!r}"
@@ -97,6 +106,19 @@ class MiniSDSpec:
 
     def write(self, folder: str | os.PathLike) -> None:
         write_json(Path(folder) / SPEC_FILE, asdict(self))
+
+    def check_unet(self, unet, source: str = "this mini SD") -> None:
+        """Refuse a U-Net this spec cannot drive: the U-Net's image side and channels must be the
+        spec's (pixels, and coordinate channels where it has them)."""
+        config = unet.config
+        if config.sample_size != self.image_size:
+            raise SdkitError(f"{source}: unet/config.json sample_size {config.sample_size!r} is not {SPEC_FILE}'s "
+                             f"image_size {self.image_size}")  # fmt: skip
+        channels = 3 + (2 if self.coordinates else 0)
+        if config.out_channels != 3 or config.in_channels != channels:
+            raise SdkitError(f"{source}: the U-Net reads {config.in_channels} and writes {config.out_channels} channels; "
+                             f"{SPEC_FILE} needs {channels} in (RGB{' and 2 coordinates' if self.coordinates else ''}) "
+                             "and 3 out")  # fmt: skip
 
     def checkpoint_note(self) -> str | None:
         """For the weights a run in progress saved (`--checkpoints DIR` writes them to DIR/model),
@@ -169,13 +191,25 @@ def read_scheduler_config(folder: str | os.PathLike) -> dict:
         config = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise SdkitError(f"{path}: cannot read the scheduler config ({e})") from None
-    if not isinstance(config, dict) or type(config.get("num_train_timesteps", 1000)) is not int or \
-            config.get("num_train_timesteps", 1000) < 2:  # fmt: skip
-        raise SdkitError(f"{path}: num_train_timesteps must be a whole number of at least 2")
+    if not isinstance(config, dict):
+        raise SdkitError(f"{path}: the scheduler config is not a JSON object")
+    steps = config.get("num_train_timesteps", 1000)
+    if type(steps) is not int or not 2 <= steps <= MAX_TRAIN_TIMESTEPS:
+        raise SdkitError(f"{path}: num_train_timesteps must be a whole number from 2 to {MAX_TRAIN_TIMESTEPS:,}, "
+                         f"not {steps!r}")  # fmt: skip
+    if config.get("prediction_type", "epsilon") not in PREDICTION_TYPES:
+        raise SdkitError(f"{path}: prediction_type must be one of {', '.join(PREDICTION_TYPES)}, "
+                         f"not {config.get('prediction_type')!r}")  # fmt: skip
     try:
-        DDPMScheduler.from_config(config)
+        betas = DDPMScheduler.from_config(config).betas
     except Exception as e:  # diffusers raises NotImplementedError, ValueError, ...: all mean a bad config
         raise SdkitError(f"{path}: not a usable scheduler config ({first_line(e)})") from None
+    # each step keeps part of the signal and adds some noise: 0 < beta < 1 (zero terminal SNR's last is 1)
+    if not (torch.isfinite(betas).all() and (betas > 0).all() and (betas <= 1).all()):
+        span = f"run from {float(betas.min()):.4g} to {float(betas.max()):.4g}" if torch.isfinite(betas).all() else \
+            "are not all finite"  # fmt: skip
+        raise SdkitError(f"{path}: the noise schedule's betas must lie in (0, 1]; these {span} (check beta_start "
+                         "and beta_end)")  # fmt: skip
     return config
 
 
@@ -192,6 +226,7 @@ class MiniSDPipeline:
     scheduler (DDIM by default), one seed per image so any image can be made again alone."""
 
     def __init__(self, unet, scheduler_config: dict, spec: MiniSDSpec, encoder: TextEncoder | None = None):
+        spec.check_unet(unet)
         self.unet, self.scheduler_config, self.spec, self.encoder = unet.eval(), dict(scheduler_config), spec, encoder
         if spec.place_embeddings:
             add_place_embeddings(unet, spec.image_size)
@@ -204,6 +239,7 @@ class MiniSDPipeline:
 
         spec = MiniSDSpec.read(folder)
         unet = load_unet(folder, allow_pickle=allow_pickle)
+        spec.check_unet(unet, str(folder))
         encoder = find_text_encoder(spec, text_encoder, encoders_dir, allow_pickle)
         if encoder.width != unet.config.cross_attention_dim:
             raise SdkitError(f"{folder}: the U-Net reads {unet.config.cross_attention_dim}-wide token states, "
@@ -213,7 +249,7 @@ class MiniSDPipeline:
     def save_pretrained(self, folder: str | os.PathLike) -> None:
         from diffusers import DDPMScheduler
 
-        with atomic_folder(folder) as tmp:  # a crash leaves the old model (or none), never half of one
+        with atomic_folder(folder, MODEL_FOLDER) as tmp:  # a crash leaves the old model (or none), never half of one
             self.unet.save_pretrained(tmp / "unet")
             DDPMScheduler.from_config(self.scheduler_config).save_pretrained(tmp / "scheduler")
             self.spec.write(tmp)
@@ -226,7 +262,6 @@ class MiniSDPipeline:
         """The states the U-Net reads for these prompts, under the model's conditioning."""
         if self.encoder is None:
             raise SdkitError("this pipeline has no text encoder; pass prompt_embeds, or load it with one")
-        self.encoder.check_length(list(prompts))
         states = self.encoder.encode(list(prompts)).float().cpu()
         if self.spec.conditioning == "pooled":
             return pool_states(states, self.encoder.real_mask(list(prompts)))

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..common import SdkitError, atomic_path
+from ..common import MODEL_FOLDER, SdkitError, atomic_path, check_output, check_output_folder
 from ..encoders import TextEncoder, encoder_fingerprint
 from . import LR_SCHEDULES, PRECISIONS
 from .data import all_captions, parse_caption, sample_at, to_model
@@ -629,6 +629,10 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
     settings.check()
     if checkpoint_every <= 0:
         raise SdkitError(f"checkpoint_every must be positive, not {checkpoint_every}")
+    check_output_folder(out, MODEL_FOLDER, "model folder")
+    if checkpoint_dir:
+        check_output(checkpoint_dir, "checkpoint folder", folder=True)
+        check_output_folder(Path(checkpoint_dir) / IN_PROGRESS, MODEL_FOLDER, "checkpoint's model folder")
     config = dict(unet_config or preset_config("minisd"))
     config["sample_size"] = settings.image_size
     config["in_channels"] = config.get("out_channels", 3) + (2 if settings.coordinates else 0)
