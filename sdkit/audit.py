@@ -184,14 +184,21 @@ def text_width_swap(unet: dict[str, TensorInfo], new_width: int) -> dict:
 def audit_index(index: CheckpointIndex, context_dim: int | None = None, image_size: int | None = None) -> Audit:
     """Count by role. image_size (the side for the per-level grid) defaults to the model's native
     one when its config says it (SD 1.5: 512, SD 2.1: 768, SDXL: 1024), else 512."""
+    for name, value in (("context_dim", context_dim), ("image_size", image_size)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise SdkitError(f"{name} must be a whole number of at least 1 (or None), not {value!r}")
     unet = index.unet
+    empty = next((name for name, info in unet.items() if info.numel == 0), None)
+    if empty is not None:
+        raise SdkitError(f"{index.source}: U-Net tensor {empty} has shape {list(unet[empty].shape)}, no elements; a "
+                         "U-Net's tensors are never empty")  # fmt: skip
     for name, info in unet.items():  # the tensors whose sizes are read below must have their rank
         rank = 4 if name == "conv_in.weight" else 2 if _KEY_VALUE.search(name) else None
         if rank is not None and len(info.shape) != rank:
             raise SdkitError(f"{index.source}: {name} has shape {list(info.shape)}, not the {rank}-D weight a U-Net has there")
     config = index.config or {"in_channels": next((i.shape[1] for n, i in unet.items() if n == "conv_in.weight"), 4)}
     factor = image_factor(config)
-    image_size = image_size or native_image_size(config) or IMAGE_SIZE
+    image_size = image_size if image_size is not None else native_image_size(config) or IMAGE_SIZE
     if image_size % factor:  # as scoretable: a latent U-Net sees the image through the VAE's 8-pixel cells
         raise SdkitError(f"image size {image_size} is not a multiple of {factor} (the pixels of one latent cell)")
     entries = _classify(unet)
@@ -218,7 +225,7 @@ def audit_index(index: CheckpointIndex, context_dim: int | None = None, image_si
         grid_factor=factor,
         components=components,
         bytes_read=index.bytes_read if index.kind != "preset" else None,
-        text_width_swap=text_width_swap(unet, context_dim) if context_dim else None,
+        text_width_swap=text_width_swap(unet, context_dim) if context_dim is not None else None,
     )
 
 

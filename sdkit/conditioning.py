@@ -126,6 +126,12 @@ def compare_conditionings(unet, conditioning: Conditioning, latent_size: tuple[i
     check_width(unet, conditioning)
     side = unet.config.sample_size
     latent_size = tuple(latent_size or (side, side))
+    if maps and map_sides is not None:
+        heights = sorted({halved(*latent_size, depth)[0] for depth in range(len(unet.config.block_out_channels))},
+                         reverse=True)  # fmt: skip
+        if not set(map_sides) & set(heights):
+            raise SdkitError(f"no level of this U-Net has a grid side in {', '.join(map(str, map_sides))} at latent "
+                             f"{latent_size[0]}x{latent_size[1]}; its levels are {', '.join(map(str, heights))} high")  # fmt: skip
     param = next(unet.parameters())
     generator = torch.Generator().manual_seed(seed)
     latent = torch.randn(1, unet.config.in_channels, *latent_size, generator=generator).to(param.device, param.dtype)

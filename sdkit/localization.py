@@ -213,7 +213,9 @@ def localize(pipe, images: np.ndarray, scenes, masks: list[list[np.ndarray]], ti
 def generator_set(count: int, side: int, seed: int = 4321):
     """Generator images (half single objects, half pairs) with their scenes and masks."""
     from .minisd.data import random_scene, render
+    from .minisd.pipeline import check_images_fit
 
+    check_images_fit(count, side, "drawing")
     rng = random.Random(f"localize:{seed}")
     scenes = [random_scene(rng, pair_fraction=0.0 if i % 2 == 0 else 1.0) for i in range(count)]
     samples = [render(s, side, random.Random(f"{seed}:{i}")) for i, s in enumerate(scenes)]

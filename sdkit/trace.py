@@ -240,10 +240,15 @@ class CrossAttentionTrace:
         total = None
         for key in keys:
             mean = self.map_sums[key] / self.map_calls[key]
+            heads = mean.shape[1] if self.keep_heads else 0
+            if head is not None and self.keep_heads and not (isinstance(head, int) and -heads <= head < heads):
+                raise SdkitError(f"head {head!r} is not a head of layer {key[0]} (it has {heads})")
             if self.keep_heads:
                 mean = mean.mean(1) if head is None else mean[:, head]
             elif head is not None:
                 raise SdkitError("maps per head need keep_heads=True")
+            if item is not None and not (isinstance(item, int) and -len(mean) <= item < len(mean)):
+                raise SdkitError(f"item {item!r} is not a batch item of this trace (it holds {len(mean)})")
             mean = mean.mean(0) if item is None else mean[item]
             up = F.interpolate(mean[None], size=size, mode="bilinear", align_corners=False)[0]
             total = up if total is None else total + up

@@ -48,6 +48,8 @@ def quiet_libraries() -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
     warnings.filterwarnings("ignore", category=FutureWarning)
+    # A prompt's emoji has no glyph in matplotlib's font: the picture shows a box, which says as much
+    warnings.filterwarnings("ignore", message=r"Glyph \d+ .* missing from font")
     warnings.filterwarnings("ignore", module=r"(diffusers|transformers|torch|accelerate|huggingface_hub|matplotlib)(\.|$)")
     for name in ("diffusers", "transformers", "accelerate", "huggingface_hub", "torch", "matplotlib"):
         logging.getLogger(name).setLevel(logging.CRITICAL)

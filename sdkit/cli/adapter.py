@@ -8,10 +8,9 @@ import sys
 
 from ..common import ADAPTERS_FOLDER, SdkitError
 from .common import (ADAPTER_KINDS, CACHE_DEFAULT, CACHE_HELP, LAYERS, Parser, adapter_kinds, add_json,
-                     add_subcommand, at_most,
-                     cache_folder, check_input, check_outputs, minisd_spec,
-                     nonnegative_float, nonnegative_int, phase, positive_float, positive_int, progress_bar, seed,
-                     show_result)  # fmt: skip
+                     add_subcommand, at_most, cache_folder, check_input, check_outputs, minisd_spec,
+                     nonnegative_float, nonnegative_int, phase, positive_float, positive_int, progress_bar,
+                     refuse_options, seed, show_result)  # fmt: skip
 
 
 MAX_PROMPTS = 200_000  # drawn prompts: past this, only repeats (which are merged) and hours of encoding
@@ -85,6 +84,8 @@ def _run_comparison(args, new_dir, old_dir, prompts, note: str | None = None) ->
 
 def _check_training_outputs(args) -> None:
     check_outputs(args, folders=("cache", "checkpoints"), owned={"out": ADAPTERS_FOLDER})
+    if "judge" in args.given and minisd_spec(args.unet) is None:
+        refuse_options(args, ("judge",), "without a mini SD as --unet (its answer key does the judging)")
 
 
 def cmd_adapter_demo(args) -> None:
@@ -106,6 +107,8 @@ def cmd_adapter_train(args) -> None:
 
     if args.corpus and args.captions:
         raise SdkitError("choose one of --corpus and --captions")
+    if args.corpus or args.captions:
+        refuse_options(args, ("generate",), "with --corpus or --captions (it counts generated prompts)")
     if args.captions:
         from ..minisd.adapters import training_captions
 

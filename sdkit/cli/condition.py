@@ -11,6 +11,13 @@ from .common import (LAYERS, PRESET_NAMES, add_json, check_input, check_outputs,
                      progress_bar, refuse_options, seed, show_result)  # fmt: skip
 
 
+def _timestep(text: str) -> int:
+    values = _timesteps(text)
+    if len(values) != 1:
+        raise argparse.ArgumentTypeError(f"one timestep, 0 to 999, not {text!r}")
+    return values[0]
+
+
 def _timesteps(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(t) for t in text.split(","))
@@ -105,10 +112,12 @@ def cmd_condition(args) -> None:
     from ..presets import PRESETS
     from ..scoretable import resolve_device
 
+    spec = minisd_spec(args.unet)
+    if spec is not None:
+        refuse_options(args, ("layer", "tokenizer"), "with a mini SD as --unet (it reads its own encoder's layer)")
     device = resolve_device(args.device)
     phase(f"building {args.unet} with random weights" if args.unet in PRESETS else f"loading {args.unet}")
     unet = load_unet(args.unet, allow_pickle=args.allow_pickle)
-    spec = minisd_spec(args.unet)
     if spec is not None:
         spec.check_unet(unet, args.unet)
     if spec is not None and spec.place_embeddings:  # not in the weights file: a function of the shapes
@@ -155,7 +164,7 @@ def register(sub) -> None:
     p.add_argument("--layer", choices=LAYERS, default="last",
                    help="text-encoder layer the U-Net reads: last (SD 1.x) or penultimate (SD 2.x)")
     p.add_argument("--latent-size", type=latent_size, help="latent grid, e.g. 64 or 64x96 (default: the U-Net's sample size)")
-    p.add_argument("--timestep", type=nonnegative_int, default=500, help="diffusion timestep of the forward pass")
+    p.add_argument("--timestep", type=_timestep, default=500, help="diffusion timestep of the forward pass (0 to 999)")
     p.add_argument("--seed", type=seed, default=0, help="seed of the latent (and of synthetic tokens)")
     p.add_argument("--maps", metavar="DIR", help="write a PNG heatmap per word and an overview grid here")
     p.add_argument("--shared-scale", action="store_true", help="one colour scale for all maps")

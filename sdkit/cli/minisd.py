@@ -92,6 +92,8 @@ def _steering(args):
         return None
     from ..steering import SteeringSettings
 
+    if args.guide_layers:
+        refuse_options(args, ("guide_resolution",), "with --guide-layers (the layers are named, not found by side)")
     layers = tuple(n for n in args.guide_layers.split(",") if n) if args.guide_layers else None
     settings = SteeringSettings(objectives=args.guide, scale=args.guide_scale, steps=args.guide_steps,
                                 resolution=args.guide_resolution, layers=layers or None)  # fmt: skip
@@ -106,14 +108,18 @@ def _steering_title(settings) -> str:
 
 def cmd_minisd_sample(args) -> None:
     check_outputs(args, pictures=("out",))
-    from ..minisd.evaluate import sample_grid
+    from ..minisd.evaluate import check_grid, sample_grid
 
     if args.first_seed + args.seeds > 2**63:
         raise SdkitError(f"--first-seed {args.first_seed} + {args.seeds} seeds passes the largest seed, 2^63 - 1")
     steering = _steering(args)
     pipe = _pipeline(args)
+    from ..minisd.pipeline import check_images_fit
+
+    check_images_fit(len(args.prompts) * args.seeds, pipe.spec.image_size, "sampling")
     prompts = [p for p in args.prompts for _ in range(args.seeds)]
     seeds = [args.first_seed + s for _ in args.prompts for s in range(args.seeds)]
+    check_grid(prompts)
     guides = None
     if steering is not None:
         from ..minisd.steer import caption_guides
@@ -202,7 +208,7 @@ def register(sub) -> None:
     q.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="cosine",
                    help="after a 100-step warm-up: cosine decay to zero, or constant (SD 1.x's)")
     q.add_argument("--seed", type=seed, default=0, help="seed of the data stream, noise and initialisation")
-    q.add_argument("--image-size", type=positive_int, default=32, help="image side in pixels (32 or 64)")
+    q.add_argument("--image-size", type=positive_int, default=32, help="image side in pixels: a multiple of 4 from 12 to 512 (trained here: 32 and 64)")
     q.add_argument("--conditioning", choices=("tokens", "pooled"), default="tokens",
                    help="tokens: every token state; pooled: their mean, one key/value")  # fmt: skip
     q.add_argument("--empty-fraction", type=nonnegative_float, default=0.1, help="captions dropped for guidance")
@@ -219,7 +225,7 @@ def register(sub) -> None:
     q.add_argument("--place-embeddings", action=argparse.BooleanOptionalAction, default=True,
                    help="add diffusers' sinusoidal positional embedding before each transformer block's attention, so "
                         "queries know their place (on by default; SD 1.x has none: a departure)")  # fmt: skip
-    q.add_argument("--swap-fraction", type=float, default=0.0, metavar="F",
+    q.add_argument("--swap-fraction", type=nonnegative_float, default=0.0, metavar="F",
                    help="noise this fraction of pair images from the pair with its objects exchanged, asking for the "
                         "true image: the noise then cannot say which object is where (a departure from SD's recipe; "
                         "default 0: off)")  # fmt: skip

@@ -15,6 +15,10 @@ def cmd_scoretable(args) -> None:
     check_outputs(args, pictures=("plot",))
     if not args.measure:
         refuse_options(args, MEASURE_ONLY, "without --measure")
+    if not (args.measure or args.plot):
+        refuse_options(args, ("chunk_budget",), "without --measure or --plot")
+    if args.height is not None or args.width is not None:
+        refuse_options(args, ("size",), "with --height or --width (the size is theirs)")
     from ..scoretable import (format_measurements, format_score_tables, measure, plot, resolve_device,
                              score_tables)  # fmt: skip
 

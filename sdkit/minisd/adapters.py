@@ -16,7 +16,7 @@ from ..encoders import TextEncoder
 from .data import random_scene
 from .evaluate import prompt_set
 from .judge import HEADERS, accuracy, accuracy_cells, judge
-from .pipeline import MiniSDPipeline
+from .pipeline import MiniSDPipeline, check_images_fit
 
 SETS = ("singles", "pairs", "held_out_singles")
 
@@ -35,6 +35,7 @@ def judge_adapters(pipe: MiniSDPipeline, new: TextEncoder, adapters: dict, sets=
 
     if new.max_length != pipe.spec.max_length:
         raise ValueError(f"the new encoder reads {new.max_length} tokens, the mini SD {pipe.spec.max_length}")
+    check_images_fit(count, pipe.spec.image_size, "judging")
     start = time.perf_counter()
     results: dict[str, dict] = {"native": {}}
     for set_name in sets:

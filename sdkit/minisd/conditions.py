@@ -29,7 +29,7 @@ from ..common import SdkitError, format_table
 from ..encoders import token_roles
 from .evaluate import prompt_set
 from .judge import ATTRIBUTES, HEADERS, accuracy, accuracy_cells, judge
-from .pipeline import MiniSDPipeline, pool_states
+from .pipeline import MiniSDPipeline, check_images_fit, pool_states
 
 CONDITIONS = ("tokens", "pooled", "eos", "pooled repeated", "words only", "bos only")
 SETS = ("singles", "pairs")
@@ -99,6 +99,7 @@ def compare_token_conditions(pipe: MiniSDPipeline, pooled_pipe: MiniSDPipeline |
     if pooled_pipe is not None and pooled_pipe.spec.conditioning != "pooled":
         raise SdkitError(f"{pooled_name}: the pooled-trained model must be trained on the pooled state (sdkit minisd "
                          f"train --conditioning pooled); this one was trained on {pooled_pipe.spec.conditioning}")  # fmt: skip
+    check_images_fit(count, pipe.spec.image_size, "judging")
     start = time.perf_counter()
     results: dict[str, dict] = {}
     grid: dict[str, list] = {}

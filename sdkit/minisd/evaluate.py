@@ -23,7 +23,7 @@ from ..common import SdkitError, format_table, save_figure
 from .data import HELD_OUT_PAIRS, HELD_OUT_SINGLES, PAIR_TEMPLATES, RELATIONS, SINGLE_TEMPLATES, Scene, pair_scene, \
     random_scene, render, single_scene  # fmt: skip
 from .judge import HEADERS, accuracy, accuracy_cells, accuracy_intervals, judge
-from .pipeline import MiniSDPipeline
+from .pipeline import MiniSDPipeline, check_images_fit
 
 SETS = ("singles", "pairs", "held_out_singles", "held_out_pairs")
 BLUR_PIXELS, BLUR_NOISE = 0.8, 0.05  # at side 32; the blur scales with the side
@@ -108,6 +108,7 @@ def evaluate(pipe: MiniSDPipeline, sets=SETS, count: int = 64, guidance_scale: f
 
     from ..presets import build_unet
 
+    check_images_fit(count * (1 + 2 * floors + (steering is not None)), pipe.spec.image_size, "judging")
     start = time.perf_counter()
     scenes = {name: prompt_set(name, count) for name in sets}
     results: dict[str, dict] = {"model": {}, "judge on generator images": {}, "judge, blurred generator images": {}}
@@ -235,6 +236,18 @@ def grid_places(captions: list[str], most: int = 8) -> tuple[int, int, list[tupl
     return row, cols, places
 
 
+# matplotlib draws at most 2^16 pixels a side; a grid row is 2.2 inches at 110 dpi, with room for the title
+MAX_GRID_ROWS = 256
+
+
+def check_grid(captions: list[str]) -> None:
+    """Refuse, before sampling, a grid too tall to draw."""
+    rows = grid_places(captions)[0]
+    if rows > MAX_GRID_ROWS:
+        raise SdkitError(f"a grid of {len(captions):,} images takes {rows:,} rows; a picture holds at most "
+                         f"{MAX_GRID_ROWS} (8 images to a row): ask for fewer seeds or prompts")  # fmt: skip
+
+
 def sample_grid(images: np.ndarray, captions: list[str], seeds: list[int], path, title: str = "") -> None:
     """A PNG grid of generated images, each with its caption and seed. Each run of images with the
     same caption starts its own row (at most 8 to a row), so a prompt's seeds read along a row."""
@@ -243,6 +256,10 @@ def sample_grid(images: np.ndarray, captions: list[str], seeds: list[int], path,
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if not len(images) == len(captions) == len(seeds) or not len(images):
+        raise SdkitError(f"a grid needs one caption and one seed per image: {len(images)} images, {len(captions)} "
+                         f"captions, {len(seeds)} seeds")  # fmt: skip
+    check_grid(captions)
     rows, cols, places = grid_places(captions)
     fig, axes = plt.subplots(rows, cols, figsize=(1.9 * cols, 2.2 * rows), dpi=110, squeeze=False)
     for ax in axes.flat:

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..common import MODEL_FOLDER, SdkitError, atomic_folder, first_line, write_json
+from ..common import MODEL_FOLDER, SdkitError, atomic_folder, available_memory, first_line, format_bytes, write_json
 from ..encoders import TextEncoder
 from .data import from_model
 
@@ -213,6 +213,20 @@ def read_scheduler_config(folder: str | os.PathLike) -> dict:
     return config
 
 
+# Bytes each pixel of an image takes while a batch of images is made and kept: its starting noise,
+# the float32 image returned (both 3 channels of 4 bytes) and a uint8 copy for pictures.
+KEPT_BYTES_PER_PIXEL = 3 * 4 + 3 * 4 + 3
+
+
+def check_images_fit(count: int, side: int, what: str) -> None:
+    """Refuse, before allocating, work that keeps more images in memory than is free."""
+    need = count * side * side * KEPT_BYTES_PER_PIXEL
+    free = available_memory()
+    if need > free:
+        raise SdkitError(f"{what} {count:,} images of {side}x{side} keeps at least {format_bytes(need)} in memory; "
+                         f"{format_bytes(free)} is free (ask for fewer images)")  # fmt: skip
+
+
 @dataclass
 class MiniSDOutput:
     images: object  # output_type "np": (batch, H, W, 3) float32 in [0, 1]; "pt": (batch, 3, H, W); "pil": a list
@@ -294,6 +308,9 @@ class MiniSDPipeline:
         """
         steps = num_inference_steps
         trained = self.scheduler_config.get("num_train_timesteps", 1000)
+        for name, value in (("num_inference_steps", steps), ("batch_size", batch_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise SdkitError(f"{name} must be a whole number of at least 1, not {value!r}")
         if not 1 <= steps <= trained:
             raise SdkitError(f"sampling steps must be 1 to {trained} (the timesteps the model was trained on), not {steps}")
         if output_type not in ("np", "pt", "pil"):
@@ -304,6 +321,7 @@ class MiniSDPipeline:
                 raise SdkitError("give prompts or prompt_embeds")
             prompt_embeds = self.encode(prompts)
         n = len(prompt_embeds)
+        check_images_fit(n, self.spec.image_size, "sampling")
         prompts = list(prompts) if prompts is not None else [""] * n
         if generator is None:
             seeds = list(seeds) if seeds is not None else list(range(n))
@@ -320,6 +338,9 @@ class MiniSDPipeline:
         for name, states in (("prompt_embeds", prompt_embeds), ("negative_prompt_embeds", negative_prompt_embeds)):
             if states.ndim != 3 or states.shape[-1] != width:
                 raise SdkitError(f"{name} must be (batch, tokens, {width}), not {list(states.shape)}")
+        if len(negative_prompt_embeds) not in (1, n):
+            raise SdkitError(f"negative_prompt_embeds holds {len(negative_prompt_embeds)} rows; give one for all "
+                             f"images or one per image ({n})")  # fmt: skip
         if steering is not None:
             from ..steering import check_guides
 
@@ -343,6 +364,9 @@ class MiniSDPipeline:
         if generator is None:
             if len(seeds) != n:
                 raise SdkitError(f"{n} prompts need {n} seeds (got {len(seeds)})")
+            bad = next((s for s in seeds if not isinstance(s, int) or isinstance(s, bool) or not 0 <= s < 2**63), None)
+            if bad is not None:
+                raise SdkitError(f"a seed is a whole number from 0 to 2^63 - 1, not {bad!r}")
             generator = [torch.Generator().manual_seed(s) for s in seeds]
         if isinstance(generator, (list, tuple)):
             if len(generator) != n:

@@ -31,11 +31,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..common import MODEL_FOLDER, SdkitError, atomic_path, check_output, check_output_folder
+from ..common import (MODEL_FOLDER, SdkitError, atomic_path, available_memory, check_output, check_output_folder,
+                      format_bytes)
 from ..encoders import TextEncoder, encoder_fingerprint
 from . import LR_SCHEDULES, PRECISIONS
 from .data import all_captions, parse_caption, sample_at, to_model
-from .pipeline import (CONDITIONINGS, SCHEDULER_CONFIG, MiniSDPipeline, MiniSDSpec, add_coordinates,
+from ..geometry import halved
+from .pipeline import (CONDITIONINGS, MAX_IMAGE_SIZE, SCHEDULER_CONFIG, MiniSDPipeline, MiniSDSpec, add_coordinates,
                        add_place_embeddings, pool_states)  # fmt: skip
 
 CHECKPOINT = "checkpoint.safetensors"
@@ -118,10 +120,13 @@ class TrainSettings:
                 raise SdkitError(f"{name} must be a finite number >= 0, not {value}")
         if self.lr == 0 or self.timestep_bias == 0:
             raise SdkitError("lr and timestep_bias must be positive")
-        if self.image_size < 12:
-            raise SdkitError(f"image_size must be at least 12 pixels (a 3x3 grid of objects), not {self.image_size}")
+        if not 12 <= self.image_size <= MAX_IMAGE_SIZE:
+            raise SdkitError(f"image_size must be 12 (a 3x3 grid of objects) to {MAX_IMAGE_SIZE} pixels, not "
+                             f"{self.image_size}")  # fmt: skip
         if self.empty_fraction > 1 or self.pair_fraction > 1 or self.swap_fraction > 1:
             raise SdkitError("empty_fraction, pair_fraction and swap_fraction are fractions (0 to 1)")
+        if self.swap_fraction and not self.pair_fraction:
+            raise SdkitError("swap_fraction exchanges the objects of pair images, and pair_fraction 0 draws none")
         if self.conditioning not in CONDITIONINGS:
             raise SdkitError(f"unknown conditioning {self.conditioning!r}; choose one of {', '.join(CONDITIONINGS)}")
         for name in ("attention_loss_from", "swap_from", "timestep_bias_from"):
@@ -602,6 +607,29 @@ class TrainResult:
     total_seconds: float  # the run's training, every process that resumed it counted
 
 
+def training_bytes_per_image(config: dict) -> int:
+    """A floor under the memory one image of a batch takes to train: the feature maps that the
+    backward pass keeps for the skip connections, on the way down and up, in float32. The real
+    figure is several times this (attention tables, the GEGLU's wide halves), so a batch refused
+    here could never have run."""
+    side = config["sample_size"]
+    kept = 0
+    for depth, channels in enumerate(config.get("block_out_channels", ())):
+        cells = math.prod(halved(side, side, depth))
+        kept += 2 * (config.get("layers_per_block", 2) + 1) * channels * cells * 4
+    return kept + config.get("in_channels", 3) * side * side * 4
+
+
+def check_training_fits(config: dict, batch_size: int, device: torch.device) -> None:
+    """Refuse, before any allocation, a batch whose training step could not fit in free memory."""
+    need = batch_size * training_bytes_per_image(config)
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_memory()
+    if need > free:
+        side = config["sample_size"]
+        raise SdkitError(f"a batch of {batch_size:,} images at {side}x{side} needs at least {format_bytes(need)} to "
+                         f"train; {format_bytes(free)} is free (lower --batch-size or --image-size)")  # fmt: skip
+
+
 def run_fingerprint(settings: TrainSettings, unet_config: dict, encoder: TextEncoder) -> str:
     """Everything that decides the trained weights; a checkpoint from another run is refused."""
     data = {"format": 2, "settings": asdict(settings), "unet": dict(unet_config), "encoder": encoder_fingerprint(encoder)}
@@ -652,6 +680,7 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
     settings = replace(settings, precision=resolve_precision(settings.precision, device))
     if settings.batch_size % accelerator.num_processes:
         raise SdkitError(f"batch size {settings.batch_size} does not split over {accelerator.num_processes} processes")
+    check_training_fits(config, settings.batch_size // accelerator.num_processes, device)
     captions = encode_captions(encoder, ["", *all_captions()], cache_dir, progress=progress and accelerator.is_main_process)
     if int(captions.lengths.max()) > settings.context_length or settings.context_length > encoder.max_length:
         raise SdkitError(f"context length {settings.context_length} must hold the longest caption "
@@ -696,6 +725,9 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
     # Each step's losses stay on the device until they are read, every 25 steps (and before a
     # checkpoint): reading one (.item()) waits for the device, and on a GPU a wait per step would keep
     # the CPU from drawing the next batch while the GPU runs this one.
+    # what a diverged run should change: the attention losses' weights when they dwarf the denoising loss's 1
+    heavy = [f"--{name}-weight" for name, weight in attention_weights.items() if weight > 100]
+    remedy = f"lower {' and '.join(heavy)}" if heavy else "try a lower lr"
     began = window_began = time.perf_counter()
     unread, window = [], []  # per step: [loss, total, *attention losses]; tensors, then floats
     with freed_memory_kept(), tqdm(total=settings.steps, initial=start, desc="training mini SD", unit="step",
@@ -738,7 +770,7 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
             if log or keep or stop:  # the same steps in every process
                 for offset, row in enumerate(torch.stack(unread).tolist(), start=done - len(unread) + 1):
                     if not math.isfinite(row[1]):
-                        raise SdkitError(f"training diverged at step {offset}: the loss is {row[1]} (try a lower lr)")
+                        raise SdkitError(f"training diverged at step {offset}: the loss is {row[1]} ({remedy})")
                     window.append(row)
                 unread = []
             if log:
