@@ -158,3 +158,170 @@ def test_cli_fuzz(cli, arena):
 @pytest.mark.slow
 def test_cli_fuzz_long(cli, arena):
     run_cases(cli, arena, count=600, seed=1)
+
+
+# --- systematic: every output against every input and every other output; every number at its edges ----
+
+# Options that name what a command writes (files, pictures, folders); INPUT_FLAGS names what it reads.
+OUTPUT_OPTIONS = ("--json-out", "--out", "--plot", "--panel", "--maps", "--checkpoints", "--cache")
+# How much work to do, and nothing more: at a huge valid value they are hours of work, not a defect.
+# Every other number, huge, is refused or done at once (sizes that allocate are bounded first).
+WORK_ONLY = ("--steps", "--epochs", "--patience", "--repeats", "--guide-steps", "--checkpoint-every")
+
+
+def fast_commands(root: Path, encoder: str) -> dict[str, list[str]]:
+    """Each command with arguments that make it quick, reading the arena's inputs."""
+    inputs, micro = root / "inputs", str(root / "inputs" / "micro")
+    out = root / "out"
+    minisd = ["--model", micro, "--text-encoder", encoder, "--steps", "1"]
+    return {
+        "audit": ["audit", str(inputs / "tiny.safetensors"), "--json-out", str(out / "a.json")],
+        "audit sweep": ["audit", "tiny", "--compute", "--sweep", "--plot", str(out / "a.png")],
+        "scoretable": ["scoretable", "--preset", "tiny", "--plot", str(out / "s.png")],
+        "condition": ["condition", "--unet", str(inputs / "pipeline"), "--maps", str(out / "maps")],
+        "condition minisd": ["condition", "--unet", micro, "--text-encoder", encoder, "--prompt", "a red circle"],
+        "condition masks": ["condition", "--unet", micro, "--text-encoder", encoder, "--masks", "--count", "1",
+                            "--timesteps", "500", "--plot", str(out / "c.png")],  # fmt: skip
+        "adapter encode": ["adapter", "encode", "a red cat", "--adapter", str(inputs / "adapter"), "--new",
+                           str(inputs / "new"), "--out", str(out / "e.safetensors")],  # fmt: skip
+        "adapter train": ["adapter", "train", "--new", encoder, "--old", encoder, "--unet", "none", "--generate", "20",
+                          "--epochs", "1", "--kinds", "linear", "--out", str(out / "adapters"), "--checkpoints",
+                          str(out / "ack")],  # fmt: skip
+        "minisd sample": ["minisd", "sample", "a red circle", "--seeds", "1", *minisd, "--out", str(out / "g.png")],
+        "minisd eval": ["minisd", "eval", "--count", "1", "--sets", "singles", "--no-floors", *minisd, "--panel",
+                        str(out / "p.png")],  # fmt: skip
+        "memory": ["memory", "--quick", "--minisd", micro, "--plot", str(out / "m.png")],
+    }
+
+
+def _with(argv: list[str], option: str, value: str) -> list[str]:
+    """argv with `option` set to `value` (replaced where it is given, else added)."""
+    if option in argv:
+        argv = list(argv)
+        argv[argv.index(option) + 1] = value
+        return argv
+    return [*argv, option, value]
+
+
+def _options(argv: list[str]) -> dict:
+    """The parser's actions for the (sub)command that argv names, by option string."""
+    import argparse
+
+    from sdkit.cli import build_parser
+
+    parser = build_parser()
+    for token in argv:
+        sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if sub is None or token not in sub.choices:
+            break
+        parser = sub.choices[token]
+    return {s: a for a in parser._actions for s in a.option_strings}
+
+
+def _input_files(root: Path, argv: list[str]) -> list[Path]:
+    """Every file the command reads through its input flags: each input file, or each file in an
+    input folder that the folder's loader reads (configs, weights, tokenizer files)."""
+    reads = [Path(argv[i + 1]) for i in range(len(argv) - 1) if argv[i] in INPUT_FLAGS[1:] + ("--old", "--minisd")]
+    if argv[0] == "audit" and not argv[1].startswith("-") and Path(argv[1]).exists():
+        reads.append(Path(argv[1]))
+    files = []
+    for path in reads:
+        if path.is_file():
+            files.append(path)
+        elif path.is_dir():
+            files += [p for p in sorted(path.rglob("*")) if p.is_file() and "findings" not in p.parts]
+    return files
+
+
+def _assert_untouched(cli, root: Path, before: dict, argv: list[str], words: tuple[str, ...]) -> None:
+    code, _, err = cli(*argv)
+    line = one_line(code, err)
+    assert any(w in line for w in words), (argv, line)
+    assert digest_tree(root) == before, ("changed a file", argv)
+
+
+def test_no_output_lands_on_an_input(cli, arena):
+    """Every output option of every command, pointed at every file the command reads: refused, and
+    nothing changes."""
+    root, encoder = arena
+    before = digest_tree(root)
+    cases = 0
+    for name, argv in fast_commands(root, encoder).items():
+        options = _options(argv)
+        for output in (o for o in OUTPUT_OPTIONS if o in options and o not in ("--cache", "--checkpoints")):
+            for path in _input_files(root, argv):
+                _assert_untouched(cli, root, before, _with(argv, output, str(path)),
+                                  ("what this command reads", "must be a folder", "pictures are written as"))  # fmt: skip
+                cases += 1
+    assert cases > 100, cases
+
+
+def test_no_output_lands_on_another(cli, arena):
+    """Two outputs of one command on one path, and a file output inside a folder the command writes."""
+    root, encoder = arena
+    before = digest_tree(root)
+    cases = 0
+    for name, argv in fast_commands(root, encoder).items():
+        options = _options(argv)
+        outputs = [o for o in OUTPUT_OPTIONS if o in options and o != "--cache"]
+        for i, first in enumerate(outputs):
+            for second in outputs[i + 1 :]:
+                same = str(root / "out" / "same.png")
+                _assert_untouched(cli, root, before, _with(_with(argv, first, same), second, same),
+                                  ("same path", "inside the", "must be a folder", "must be a file"))  # fmt: skip
+                cases += 1
+            if first in ("--out", "--maps", "--checkpoints") and options[first].metavar not in ("FILE.png",) and \
+                    name not in ("minisd sample", "adapter encode"):  # fmt: skip
+                folder = str(root / "out" / "written")
+                for second in (o for o in outputs if o != first):
+                    _assert_untouched(cli, root, before, _with(_with(argv, first, folder), second, folder + "/x.png"),
+                                      ("inside the",))  # fmt: skip
+                    cases += 1
+    assert cases > 10, cases
+
+
+def _number_cases(root: Path, encoder: str) -> list[tuple[str, list[str], str]]:
+    edges = ["0", "-1", "nan", "inf", "-inf"]
+    cases = []
+    for name, argv in fast_commands(root, encoder).items():
+        for option, action in _options(argv).items():
+            kind = getattr(action.type, "__name__", "")
+            if not kind or kind in ("cache_folder", "adapter_kinds", "steering_objectives") or option != action.option_strings[0]:
+                continue
+            huge = [] if option in WORK_ONLY else ["1e308" if "float" in kind else "9" * 30]
+            cases += [(name, _with(argv, option, value), value) for value in edges + huge]
+    return cases
+
+
+@pytest.mark.slow  # about 400 cases, a few of them a step of work each
+def test_every_number_at_its_edges(cli, arena):
+    """Every numeric option of every command at 0, -1, NaN, +-inf and huge: refused in one line, or
+    done with a finite result; never a traceback, never a file of the user's changed."""
+    root, encoder = arena
+    pristine = digest_tree(root)
+    outcomes = {0: 0, 2: 0}
+    for name, argv, value in _number_cases(root, encoder):
+        code, out, err = cli(*argv, "--json") if "encode" not in name else cli(*argv)
+        assert code in (0, 2), (argv, code, err[-2000:])
+        outcomes[code] += 1
+        if code == 2:
+            one_line(code, err)
+        elif "encode" not in name:
+            assert finite(json.loads(out)), argv
+        after = digest_tree(root)
+        changed = [n for n, d in pristine.items() if after.get(n) != d]
+        assert not changed, (argv, changed)
+        shutil.rmtree(root / "out", ignore_errors=True)
+    assert outcomes[2] > 200, outcomes
+
+
+def test_numbers_at_their_edges_sampled(cli, arena):
+    """The default run's share of the sweep above: 40 cases, drawn the same way each run."""
+    root, encoder = arena
+    cases = random.Random(0).sample(_number_cases(root, encoder), 40)
+    for name, argv, value in cases:
+        code, out, err = cli(*argv, "--json") if "encode" not in name else cli(*argv)
+        assert code in (0, 2), (argv, code, err[-2000:])
+        if code == 2:
+            one_line(code, err)
+        shutil.rmtree(root / "out", ignore_errors=True)

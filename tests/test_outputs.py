@@ -130,6 +130,8 @@ def test_a_record_sdkit_did_not_write_is_not_enough(tmp_path, content):
     (folder / "maps.json").write_text("a user's maps")
     with pytest.raises(SdkitError, match="sdkit did not write it"):
         check_output_folder(folder, "maps")
+    (folder / "sdkit.json").write_text('{"written_by": "sdkit", "kind": "maps", "version": 1, "files": []}')
+    check_output_folder(folder, "maps")  # the record sdkit writes: accepted
 
 
 def test_a_folder_of_another_kind_is_refused(tmp_path):

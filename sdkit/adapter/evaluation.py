@@ -183,6 +183,8 @@ def compare_adapters(new: TextEncoder, old: TextEncoder, prompts: list[str], kin
         raise SdkitError(f"unknown adapter kind {unknown[0]!r}; choose from {', '.join(KINDS)}")
     if out_dir:
         check_output_folder(out_dir, ADAPTERS_FOLDER, "adapters folder")
+    for encoder in (new, old):  # now, not after the split and minutes of encoding
+        encoder.check_length(prompts)
     prompts, merged = distinct_prompts(new, old, prompts)
     train_idx, val_idx, test_idx = split_by_prompt(len(prompts), seed, train_only=[i for i, p in enumerate(prompts)
                                                                                     if not p.strip()])  # fmt: skip

@@ -72,6 +72,9 @@ class TrainConfig:
     seed: int = 0
 
 
+MAX_LR = 1.0  # past it, AdamW's first step alone moves every weight by more than its scale
+
+
 def preflight_adapter(config: TrainConfig, in_dim: int, out_dim: int) -> None:
     """Refuse, before any work, an adapter whose training would not fit in memory: each parameter
     holds itself, its gradient, AdamW's two moments and the best weights (five float32 copies)."""
@@ -79,6 +82,11 @@ def preflight_adapter(config: TrainConfig, in_dim: int, out_dim: int) -> None:
 
     from ..common import available_memory, format_bytes
 
+    if not 0 < config.lr <= MAX_LR:
+        raise SdkitError(f"the learning rate must lie in (0, {MAX_LR:g}], not {config.lr:g} (AdamW moves each weight "
+                         "by about lr a step)")  # fmt: skip
+    if not 0 < config.batch_size < 2**31:  # a batch larger than the data is all of it; past this, no loader takes it
+        raise SdkitError(f"the batch size must be 1 to 2^31 - 1 tokens, not {config.batch_size:,}")
     with init_empty_weights(include_buffers=True):
         shape = TextEncoderAdapter(config.kind, in_dim, out_dim, config.hidden_dim, config.standardize)
     need = 4 * (5 * sum(p.numel() for p in shape.parameters()) + sum(b.numel() for b in shape.buffers()))
@@ -182,6 +190,10 @@ def train_adapter(train: tuple, val: tuple, config: TrainConfig, checkpoint: str
         # every process's share of the epoch's loss, not the main process's alone
         total, count = accelerator.reduce(torch.tensor([total, float(count)], device=accelerator.device), "sum").tolist()
         state["epoch"] += 1
+        if not (math.isfinite(total) and math.isfinite(val_rel)):
+            raise SdkitError(f"training the {config.kind} adapter diverged in epoch {state['epoch']} (loss "
+                             f"{total / max(count, 1):.3g}, validation {val_rel:.3g}): lower --lr"
+                             f"{' or --cosine-weight' if config.cosine_weight else ''}")  # fmt: skip
         state["history"].append({"epoch": state["epoch"], "train_loss": total / max(count, 1), "val_rel_mse": val_rel,
                                  "seconds": time.perf_counter() - epoch_start})  # fmt: skip
         if val_rel < state["best"] - 1e-7:

@@ -357,8 +357,9 @@ def check_outputs(args, files=(), pictures=(), folders=(), owned: dict | None = 
 
 
 def _check_apart(args, file_flags, folder_flags) -> None:
-    """Outputs of one command never land on each other: no two name the same path, and no file
-    is written inside a folder the command writes (it would be replaced, or replace what is there)."""
+    """Outputs of one command never land on each other: no two name the same path, and none lies
+    inside a folder that another output writes (it would replace, or be replaced by, what is there;
+    a folder written as a whole must hold only what sdkit put there)."""
     import os
     from pathlib import Path
 
@@ -366,16 +367,19 @@ def _check_apart(args, file_flags, folder_flags) -> None:
 
     given = [(flag, Path(os.path.abspath(getattr(args, flag)))) for flag in (*file_flags, *folder_flags)
              if getattr(args, flag, None) and not is_special(Path(getattr(args, flag)))]  # fmt: skip
-    folders = set(folder_flags)
+
+    def name(flag: str) -> str:
+        return f"--{flag.replace('_', '-')}"
+
     for i, (flag, path) in enumerate(given):
         for other, other_path in given[i + 1 :]:
             if path == other_path:
-                raise SdkitError(f"{path}: --{flag.replace('_', '-')} and --{other.replace('_', '-')} name the "
-                                 "same path; give each output its own")  # fmt: skip
+                raise SdkitError(f"{path}: {name(flag)} and {name(other)} name the same path; give each output its own")
         for other, folder in given:
-            if other in folders and other != flag and folder in path.parents and flag not in folders:
-                raise SdkitError(f"{path}: the --{flag.replace('_', '-')} file would be inside the "
-                                 f"--{other.replace('_', '-')} folder this command writes; choose a path outside it")  # fmt: skip
+            if other != flag and other not in file_flags and folder in path.parents:
+                what = "file" if flag in file_flags else "folder"
+                raise SdkitError(f"{path}: the {name(flag)} {what} would be inside the {name(other)} folder this "
+                                 "command writes; choose a path outside it")  # fmt: skip
 
 
 def check_input(path: str, what: str) -> None:

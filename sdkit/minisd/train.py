@@ -120,6 +120,8 @@ class TrainSettings:
                 raise SdkitError(f"{name} must be a finite number >= 0, not {value}")
         if self.lr == 0 or self.timestep_bias == 0:
             raise SdkitError("lr and timestep_bias must be positive")
+        if self.lr > 1:  # AdamW moves each weight by about lr a step: past 1, by more than its scale
+            raise SdkitError(f"lr must be at most 1, not {self.lr:g}")
         if not 12 <= self.image_size <= MAX_IMAGE_SIZE:
             raise SdkitError(f"image_size must be 12 (a 3x3 grid of objects) to {MAX_IMAGE_SIZE} pixels, not "
                              f"{self.image_size}")  # fmt: skip
