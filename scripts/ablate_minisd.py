@@ -122,42 +122,91 @@ ROWS = {
     "zero terminal SNR 6000 steps": ({"zero_terminal_snr": True, "steps": 6000}, {}, "all-MiniLM-L6-v2"),
     "zero terminal SNR + floor 5": ({"zero_terminal_snr": True, "x0_weight_floor": 5.0}, {}, "all-MiniLM-L6-v2"),
     "swapped pairs at t >= 600": ({"swap_fraction": 0.5, "swap_from": 600}, {}, "all-MiniLM-L6-v2"),
-    "swapped pairs + coordinates": ({"swap_fraction": 0.5, "swap_from": 600, "coordinates": True}, {}, "all-MiniLM-L6-v2"),
+    "swapped pairs + coordinates": (
+        {"swap_fraction": 0.5, "swap_from": 600, "coordinates": True},
+        {},
+        "all-MiniLM-L6-v2",
+    ),
     "place embeddings": ({"place_embeddings": True}, {}, "all-MiniLM-L6-v2"),
-    "place embeddings + swapped pairs": ({"place_embeddings": True, "swap_fraction": 0.5, "swap_from": 600}, {},
-                                         "all-MiniLM-L6-v2"),
+    "place embeddings + swapped pairs": (
+        {"place_embeddings": True, "swap_fraction": 0.5, "swap_from": 600},
+        {},
+        "all-MiniLM-L6-v2",
+    ),
     "penultimate layer": ({}, {}, "all-MiniLM-L6-v2", "penultimate"),
     "later timesteps x9": ({"timestep_bias": 9.0}, {}, "all-MiniLM-L6-v2"),
     "zero terminal SNR + place embeddings + later timesteps x9": (
-        {"zero_terminal_snr": True, "place_embeddings": True, "timestep_bias": 9.0}, {}, "all-MiniLM-L6-v2"),
+        {"zero_terminal_snr": True, "place_embeddings": True, "timestep_bias": 9.0},
+        {},
+        "all-MiniLM-L6-v2",
+    ),
     "zero terminal SNR + place embeddings + later timesteps x9 6000 steps": (
-        {"zero_terminal_snr": True, "place_embeddings": True, "timestep_bias": 9.0, "steps": 6000}, {},
-        "all-MiniLM-L6-v2"),
+        {"zero_terminal_snr": True, "place_embeddings": True, "timestep_bias": 9.0, "steps": 6000},
+        {},
+        "all-MiniLM-L6-v2",
+    ),
     "zero terminal SNR + place embeddings + later timesteps x9 3600 steps": (
-        {"zero_terminal_snr": True, "place_embeddings": True, "timestep_bias": 9.0, "steps": 3600}, {},
-        "all-MiniLM-L6-v2"),
+        {"zero_terminal_snr": True, "place_embeddings": True, "timestep_bias": 9.0, "steps": 3600},
+        {},
+        "all-MiniLM-L6-v2",
+    ),
     "zero terminal SNR + place embeddings + later timesteps x9 3600 steps constant lr": (
-        {"zero_terminal_snr": True, "place_embeddings": True, "timestep_bias": 9.0, "steps": 3600,
-         "lr_schedule": "constant"}, {}, "all-MiniLM-L6-v2"),
+        {
+            "zero_terminal_snr": True,
+            "place_embeddings": True,
+            "timestep_bias": 9.0,
+            "steps": 3600,
+            "lr_schedule": "constant",
+        },
+        {},
+        "all-MiniLM-L6-v2",
+    ),
     "zero terminal SNR + place embeddings + later timesteps x3 3600 steps": (SHIPPED, {}, "all-MiniLM-L6-v2"),
     "zero terminal SNR + place embeddings + later timesteps x3 3600 steps bfloat16": (
-        {**SHIPPED, "precision": "bf16"}, {}, "all-MiniLM-L6-v2"),
+        {**SHIPPED, "precision": "bf16"},
+        {},
+        "all-MiniLM-L6-v2",
+    ),
     "zero terminal SNR + place embeddings + later timesteps x3 3600 steps bfloat16 float32 ends": (
-        {**SHIPPED, "precision": "bf16-fp32-ends"}, {}, "all-MiniLM-L6-v2"),
+        {**SHIPPED, "precision": "bf16-fp32-ends"},
+        {},
+        "all-MiniLM-L6-v2",
+    ),
     "zero terminal SNR + place embeddings + later timesteps x3 3600 steps seed 1": (
-        {**SHIPPED, "seed": 1}, {}, "all-MiniLM-L6-v2"),
+        {**SHIPPED, "seed": 1},
+        {},
+        "all-MiniLM-L6-v2",
+    ),
     "zero terminal SNR + place embeddings + later timesteps x3 3600 steps seed 1 bfloat16": (
-        {**SHIPPED, "seed": 1, "precision": "bf16"}, {}, "all-MiniLM-L6-v2"),
+        {**SHIPPED, "seed": 1, "precision": "bf16"},
+        {},
+        "all-MiniLM-L6-v2",
+    ),
     "zero terminal SNR + place embeddings + later timesteps x3 3600 steps seed 1 bfloat16 float32 ends": (
-        {**SHIPPED, "seed": 1, "precision": "bf16-fp32-ends"}, {}, "all-MiniLM-L6-v2"),
+        {**SHIPPED, "seed": 1, "precision": "bf16-fp32-ends"},
+        {},
+        "all-MiniLM-L6-v2",
+    ),
     "zero terminal SNR + place embeddings + later timesteps x3 3600 steps seed 2": (
-        {**SHIPPED, "seed": 2}, {}, "all-MiniLM-L6-v2"),
+        {**SHIPPED, "seed": 2},
+        {},
+        "all-MiniLM-L6-v2",
+    ),
     "zero terminal SNR + place embeddings + later timesteps x3 3600 steps seed 2 bfloat16 float32 ends": (
-        {**SHIPPED, "seed": 2, "precision": "bf16-fp32-ends"}, {}, "all-MiniLM-L6-v2"),
+        {**SHIPPED, "seed": 2, "precision": "bf16-fp32-ends"},
+        {},
+        "all-MiniLM-L6-v2",
+    ),
     "zero terminal SNR + place embeddings + later timesteps x3 3600 steps seed 3": (
-        {**SHIPPED, "seed": 3}, {}, "all-MiniLM-L6-v2"),
+        {**SHIPPED, "seed": 3},
+        {},
+        "all-MiniLM-L6-v2",
+    ),
     "zero terminal SNR + place embeddings + later timesteps x3 3600 steps seed 3 bfloat16 float32 ends": (
-        {**SHIPPED, "seed": 3, "precision": "bf16-fp32-ends"}, {}, "all-MiniLM-L6-v2"),
+        {**SHIPPED, "seed": 3, "precision": "bf16-fp32-ends"},
+        {},
+        "all-MiniLM-L6-v2",
+    ),
 }
 SETS = ("singles", "pairs")
 
@@ -176,8 +225,14 @@ def main() -> int:
     parser.add_argument("--out", default="out/ablation", help="models and checkpoints")
     parser.add_argument("--json", default="weights/minisd/findings/ablation.json", help="results")
     parser.add_argument("--encoders-dir", default="weights/encoders")
-    parser.add_argument("--trained", action="append", default=[], type=row_and_folder, metavar="ROW=FOLDER",
-                        help="judge ROW from this model folder (trained with its settings) instead of training it")
+    parser.add_argument(
+        "--trained",
+        action="append",
+        default=[],
+        type=row_and_folder,
+        metavar="ROW=FOLDER",
+        help="judge ROW from this model folder (trained with its settings) instead of training it",
+    )
     args = parser.parse_args()
     trained_folders = dict(args.trained)
     if args.rows is not None:
@@ -193,13 +248,22 @@ def main() -> int:
     results = json.loads(results_path.read_text()) if results_path.is_file() else {"rows": {}}
     for name in rows:
         settings, config, encoder_name, layer = row_settings(name, args.steps)
-        record = {"settings": asdict(settings), "unet": config, "text_encoder": encoder_name, "count": args.count,
-                  "layer": layer}  # fmt: skip
+        record = {
+            "settings": asdict(settings),
+            "unet": config,
+            "text_encoder": encoder_name,
+            "count": args.count,
+            "layer": layer,
+        }
         done = results["rows"].get(name)
         # rows judged before the layer was a choice read the last one, and record none; a row given
         # its model with --trained is judged again from that model, as asked
-        if done and name not in trained_folders and all(done.get(k, "last" if k == "layer" else None) == v for k, v in record.items() if k != "settings") and \
-                same_recipe(done["settings"], record["settings"]):
+        if (
+            done
+            and name not in trained_folders
+            and all(done.get(k, "last" if k == "layer" else None) == v for k, v in record.items() if k != "settings")
+            and same_recipe(done["settings"], record["settings"])
+        ):
             print(f"{name}: already judged, kept", flush=True)
             continue
         if name in trained_folders:  # checked before the encoder loads: a wrong folder is refused at once
@@ -217,19 +281,36 @@ def main() -> int:
             print(f"{name}: training {settings.steps} steps", flush=True)
             folder = Path(args.out) / name.replace(" ", "-").replace("%", "pct")
             model = folder / "model"
-            run = train(model, encoder, settings, config, checkpoint_dir=folder / "checkpoints",
-                        checkpoint_every=200, cache_dir="weights/cache")  # fmt: skip
-            trained = {"settings": run.settings, "train_seconds": run.total_seconds,
-                       "samples_per_second": run.samples_per_second}
+            run = train(
+                model,
+                encoder,
+                settings,
+                config,
+                checkpoint_dir=folder / "checkpoints",
+                checkpoint_every=200,
+                cache_dir="weights/cache",
+            )
+            trained = {
+                "settings": run.settings,
+                "train_seconds": run.total_seconds,
+                "samples_per_second": run.samples_per_second,
+            }
         pipe = MiniSDPipeline.from_pretrained(model, text_encoder=encoder.source)
         began = time.perf_counter()
         ev = evaluate(pipe, SETS, args.count, floors=False, model_name=name)
-        record.update(**trained, eval_seconds=time.perf_counter() - began,
-                      results={s: ev.results["model"][s] for s in SETS}, intervals=ev.intervals)  # fmt: skip
+        record.update(
+            **trained,
+            eval_seconds=time.perf_counter() - began,
+            results={s: ev.results["model"][s] for s in SETS},
+            intervals=ev.intervals,
+        )
         results["rows"][name] = record
         write_json(results_path, results)
-        print(f"{name}: pairs all {ev.results['model']['pairs']['all']:.3f}, singles all "
-              f"{ev.results['model']['singles']['all']:.3f}", flush=True)
+        print(
+            f"{name}: pairs all {ev.results['model']['pairs']['all']:.3f}, singles all "
+            f"{ev.results['model']['singles']['all']:.3f}",
+            flush=True,
+        )
     print(format_ablation(results))
     return 0
 
@@ -271,21 +352,45 @@ def trained_as_row(folder: Path, record: dict) -> dict | str:
     # "seconds" times only a resumed run's last process; records older than "total_seconds" have
     # the run's time (every process counted) in their history's last entry, made at the last step
     seconds = training.get("total_seconds", training["history"][-1]["seconds"])
-    return {"settings": training["settings"], "train_seconds": seconds,
-            "samples_per_second": training["samples_per_second"]}
+    return {
+        "settings": training["settings"],
+        "train_seconds": seconds,
+        "samples_per_second": training["samples_per_second"],
+    }
 
 
 def format_ablation(results: dict) -> str:
     rows = []
     for name, r in results["rows"].items():
         p, s, ci = r["results"]["pairs"], r["results"]["singles"], r["intervals"]["pairs"]
-        rows.append([name, r["settings"]["steps"], f"{r['train_seconds'] / 60:.0f} min", f"{100 * s['all']:.1f} %",
-                     f"{100 * p['all']:.1f} % [{100 * ci['all'][0]:.0f}, {100 * ci['all'][1]:.0f}]",
-                     f"{100 * p['colour']:.1f} %", f"{100 * p['shape']:.1f} %", f"{100 * p['extra']:.1f} %",
-                     "-" if p["position_if_bound"] is None else f"{100 * p['position_if_bound']:.1f} %"])  # fmt: skip
-    return format_table(["row", "steps", "trained", "singles all", "pairs all [95 % CI]", "pairs colour",
-                         "pairs shape", "pairs extra", "pairs relation if bound"], rows,
-                        title="mini SD ablation: one change a row, the same prompts and seeds")  # fmt: skip
+        rows.append(
+            [
+                name,
+                r["settings"]["steps"],
+                f"{r['train_seconds'] / 60:.0f} min",
+                f"{100 * s['all']:.1f} %",
+                f"{100 * p['all']:.1f} % [{100 * ci['all'][0]:.0f}, {100 * ci['all'][1]:.0f}]",
+                f"{100 * p['colour']:.1f} %",
+                f"{100 * p['shape']:.1f} %",
+                f"{100 * p['extra']:.1f} %",
+                "-" if p["position_if_bound"] is None else f"{100 * p['position_if_bound']:.1f} %",
+            ]
+        )
+    return format_table(
+        [
+            "row",
+            "steps",
+            "trained",
+            "singles all",
+            "pairs all [95 % CI]",
+            "pairs colour",
+            "pairs shape",
+            "pairs extra",
+            "pairs relation if bound",
+        ],
+        rows,
+        title="mini SD ablation: one change a row, the same prompts and seeds",
+    )
 
 
 if __name__ == "__main__":

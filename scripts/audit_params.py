@@ -19,7 +19,9 @@ from sdkit.common import SdkitError, write_json, write_text
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("models", nargs="*", default=["sd15", "sd21", "sdxl"], help="presets, folders or files")
-    parser.add_argument("--out", default="out/audit", help="path stem for .json, .md, .csv and .tex (default: out/audit)")
+    parser.add_argument(
+        "--out", default="out/audit", help="path stem for .json, .md, .csv and .tex (default: out/audit)"
+    )
     parser.add_argument("--allow-pickle", action="store_true", help="read pickle checkpoints (weights_only=True)")
     args = parser.parse_args()
 

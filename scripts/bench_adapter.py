@@ -34,17 +34,22 @@ def main():
     folders = [args.encoders / "all-MiniLM-L6-v2", args.encoders / "all-mpnet-base-v2"]
     if not all((f / "config.json").is_file() for f in folders):
         sys.exit(f"bench_adapter: no real encoders in {args.encoders}; run python scripts/get_real_encoders.py")
-    print(f"expected duration: about {4 + args.prompts // 300} minutes on 2 CPU cores (encoding, then training)",
-          flush=True)  # fmt: skip
+    print(
+        f"expected duration: about {4 + args.prompts // 300} minutes on 2 CPU cores (encoding, then training)",
+        flush=True,
+    )
     new, old = (load_text_encoder(f) for f in folders)
     prompts = generate_prompts(args.prompts, seed=0)
     unet = load_unet("tiny")
-    report = compare_adapters(new, old, prompts, config=TrainConfig(), unet=unet, unet_name="tiny (random weights)",
-                              cache_dir=args.cache)  # fmt: skip
+    report = compare_adapters(
+        new, old, prompts, config=TrainConfig(), unet=unet, unet_name="tiny (random weights)", cache_dir=args.cache
+    )
     print(format_report(report))
-    print("(No U-Net was trained on mpnet's states, and the tiny U-Net's weights are random: its columns show the\n"
-          " check working, not how a real SD U-Net would fare. Run `sdkit adapter train --unet` with a real SD 1.5\n"
-          " U-Net and CLIP ViT-L/14 as the old encoder for that.)")
+    print(
+        "(No U-Net was trained on mpnet's states, and the tiny U-Net's weights are random: its columns show the\n"
+        " check working, not how a real SD U-Net would fare. Run `sdkit adapter train --unet` with a real SD 1.5\n"
+        " U-Net and CLIP ViT-L/14 as the old encoder for that.)"
+    )
 
     train_prompts = prompts[: report.prompts["train"]]  # as many prompts as the training split holds
     start = time.perf_counter()
@@ -56,8 +61,10 @@ def main():
     print(f"\nre-encoding the {len(train_prompts):,} training prompts with both encoders: {encode_seconds:.1f} s")
     for kind, seconds in epochs.items():
         ratio = encode_seconds / seconds
-        print(f"one {kind} training epoch on cached states ({report.tokens['train']:,} tokens): {seconds:.2f} s "
-              f"-> {ratio:.0f}x faster ({'PASS' if ratio >= 20 else 'FAIL'}: target >= 20x)")  # fmt: skip
+        print(
+            f"one {kind} training epoch on cached states ({report.tokens['train']:,} tokens): {seconds:.2f} s "
+            f"-> {ratio:.0f}x faster ({'PASS' if ratio >= 20 else 'FAIL'}: target >= 20x)"
+        )
     if args.json:
         write_json(args.json, {**report.to_json(), "reencode_seconds": encode_seconds, "epoch_seconds": epochs})
 

@@ -28,8 +28,8 @@ from safetensors.torch import save_file
 
 from sdkit.audit import audit
 from sdkit.checkpoints import ORIGINAL_UNET_PREFIX, diffusers_to_original_names
-from sdkit.tensors import module_index
 from sdkit.presets import build_unet, preset_config
+from sdkit.tensors import module_index
 
 
 def bytes_read_by_process() -> int:
@@ -45,8 +45,10 @@ def write_checkpoint(path: Path) -> int:
     shapes = module_index(unet)
     names = diffusers_to_original_names(shapes, unet.config.layers_per_block)
     generator = torch.Generator().manual_seed(0)
-    tensors = {ORIGINAL_UNET_PREFIX + names[n]: torch.randn(info.shape, generator=generator).half()
-               for n, info in shapes.items()}  # fmt: skip
+    tensors = {
+        ORIGINAL_UNET_PREFIX + names[n]: torch.randn(info.shape, generator=generator).half()
+        for n, info in shapes.items()
+    }
     save_file(tensors, str(path))
     return path.stat().st_size
 
@@ -88,11 +90,15 @@ def main():
     header_s, load_s = statistics.median(header_times), statistics.median(load_times)
     assert result.total == loaded_total == 859_520_964, (result.total, loaded_total)
     print(f"checkpoint: {size:,} bytes, {result.total:,} parameters counted both ways")
-    print(f"header-only audit:              {header_s * 1e3:8.1f} ms  (median of {len(header_times)}), "
-          f"read {max(header_bytes):,} bytes of the file")  # fmt: skip
+    print(
+        f"header-only audit:              {header_s * 1e3:8.1f} ms  (median of {len(header_times)}), "
+        f"read {max(header_bytes):,} bytes of the file"
+    )
     print(f"diffusers from_single_file+count: {load_s * 1e3:8.1f} ms  (median of {len(load_times)})")
-    print(f"ratio: header-only is {load_s / header_s:,.0f}x faster "
-          f"(target >= 200x), reads {max(header_bytes) / 2**20:.3f} MiB (target < 1 MiB)")  # fmt: skip
+    print(
+        f"ratio: header-only is {load_s / header_s:,.0f}x faster "
+        f"(target >= 200x), reads {max(header_bytes) / 2**20:.3f} MiB (target < 1 MiB)"
+    )
     whole_processes(path, config_dir, args.repeats)
     if not args.keep:
         path.unlink()
@@ -112,9 +118,15 @@ def seconds(argv: list[str], repeats: int, expect: int = 0) -> float:
 
 def whole_processes(path: Path, config_dir: str, repeats: int) -> None:
     sdkit = [sys.executable, "-m", "sdkit"]
-    load = [sys.executable, "-c", "import sys; from diffusers import UNet2DConditionModel; "
-            "m = UNet2DConditionModel.from_single_file(sys.argv[1], config=sys.argv[2], local_files_only=True); "
-            "print(sum(p.numel() for p in m.parameters()))", str(path), config_dir]  # fmt: skip
+    load = [
+        sys.executable,
+        "-c",
+        "import sys; from diffusers import UNet2DConditionModel; "
+        "m = UNet2DConditionModel.from_single_file(sys.argv[1], config=sys.argv[2], local_files_only=True); "
+        "print(sum(p.numel() for p in m.parameters()))",
+        str(path),
+        config_dir,
+    ]
     audit_s = seconds([*sdkit, "audit", str(path)], repeats)
     load_s = seconds(load, max(1, repeats // 2))
     help_s = seconds([*sdkit, "--help"], repeats)

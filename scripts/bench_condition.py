@@ -22,8 +22,8 @@ import torch
 from tqdm import tqdm
 
 from sdkit.common import peak_rss
-from sdkit.trace import CrossAttentionTrace
 from sdkit.presets import build_unet, preset_config
+from sdkit.trace import CrossAttentionTrace
 
 
 def setup(latent: int):
@@ -59,16 +59,24 @@ def main():
     if args.child:
         return child(args.child, args.latent)
 
-    print(f"expected duration: about {2 + 2 * args.repeats * (args.latent // 64) ** 2} minutes on 2 CPU cores "
-          "(SD 1.5 forward passes of ~20 s each)", flush=True)  # fmt: skip
+    print(
+        f"expected duration: about {2 + 2 * args.repeats * (args.latent // 64) ** 2} minutes on 2 CPU cores "
+        "(SD 1.5 forward passes of ~20 s each)",
+        flush=True,
+    )
     bar = tqdm(total=2 + 2 * args.repeats, desc="forward passes", unit="run")
     peaks = {}
     # A fixed mmap threshold: glibc otherwise raises it as blocks are freed and serves later tensors
     # from memory it kept, which hides them from the resident set and makes the peaks wander.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
     for mode in ("plain", "capture"):
-        proc = subprocess.run([sys.executable, __file__, "--child", mode, "--latent", str(args.latent)],
-                              capture_output=True, text=True, check=True, env=env)  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, __file__, "--child", mode, "--latent", str(args.latent)],
+            capture_output=True,
+            text=True,
+            check=True,
+            env=env,
+        )
         peaks[mode] = json.loads(proc.stdout.strip().splitlines()[-1])["peak"]
         bar.update(1)
 
@@ -90,8 +98,10 @@ def main():
     print(f"forward with capture:    {capture:6.2f} s   peak {peaks['capture'] / 2**20:8.1f} MiB above baseline")
     ratio_ok, memory_ok = capture / plain <= 1.15, extra <= 0.01 * weights
     print(f"{'PASS' if ratio_ok else 'FAIL'}  time ratio {capture / plain:.3f} (target <= 1.15)")
-    print(f"{'PASS' if memory_ok else 'FAIL'}  extra memory {extra / 2**20:+.1f} MiB = "
-          f"{100 * extra / weights:+.2f} % of the weights ({weights / 2**20:.0f} MiB; target <= 1 %)")  # fmt: skip
+    print(
+        f"{'PASS' if memory_ok else 'FAIL'}  extra memory {extra / 2**20:+.1f} MiB = "
+        f"{100 * extra / weights:+.2f} % of the weights ({weights / 2**20:.0f} MiB; target <= 1 %)"
+    )
     return 0 if ratio_ok and memory_ok else 1
 
 

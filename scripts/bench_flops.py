@@ -38,8 +38,11 @@ def main() -> None:
         unet = build_unet(config, weights="random").eval()
         unet.set_attn_processor(AttnProcessor())
         factor = 1 if config["in_channels"] == 3 else 8
-        inputs = (torch.randn(1, config["in_channels"], side // factor, side // factor), torch.tensor([10]),
-                  torch.randn(1, tokens, config["cross_attention_dim"]))  # fmt: skip
+        inputs = (
+            torch.randn(1, config["in_channels"], side // factor, side // factor),
+            torch.tensor([10]),
+            torch.randn(1, tokens, config["cross_attention_dim"]),
+        )
         ours = compute(unet, side, side, text_tokens=tokens).total
         with FlopCounterMode(display=False) as counter, torch.no_grad():
             Call(unet)(*inputs)
@@ -47,7 +50,9 @@ def main() -> None:
         try:
             from fvcore.nn import FlopCountAnalysis
 
-            analysis = FlopCountAnalysis(Call(unet), inputs).unsupported_ops_warnings(False).uncalled_modules_warnings(False)
+            analysis = (
+                FlopCountAnalysis(Call(unet), inputs).unsupported_ops_warnings(False).uncalled_modules_warnings(False)
+            )
             row.append(2 * analysis.total())
         except ImportError:
             row.append(None)

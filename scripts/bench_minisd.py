@@ -41,8 +41,15 @@ from sdkit.common import synchronize
 from sdkit.encoders import load_text_encoder
 from sdkit.minisd.data import all_captions
 from sdkit.minisd.pipeline import MiniSDPipeline
-from sdkit.minisd.train import (TrainSettings, batch_at, encode_captions, recipe_unet, scheduler_config, train,
-                                training_target)
+from sdkit.minisd.train import (
+    TrainSettings,
+    batch_at,
+    encode_captions,
+    recipe_unet,
+    scheduler_config,
+    train,
+    training_target,
+)
 from sdkit.presets import preset_config
 
 WARMUP = 25  # steps before the clock starts (ours: compilation happens in the first of them)
@@ -108,7 +115,7 @@ def main() -> None:
     device = training_device()
     # Where the defaults train in float32 (a CPU), ours also runs in bfloat16: faster on some CPUs,
     # at a cost in what the model learns, none told apart from a run's own draw with the ends in float32
-    # (README "Speed"). Where they train in bfloat16 with float32 ends (a GPU), ours also runs in plain
+    # (docs/training.md, "Speed"). Where they train in bfloat16 with float32 ends (a GPU), ours also runs in plain
     # bfloat16 and in float32, the precision the shipped model learnt in.
     precisions = ["auto", "bf16", "bf16-fp32-ends"] if device.type == "cpu" else ["auto", "bf16", "fp32"]
     print(f"expected duration: about {args.rounds * (1 + len(precisions)) + 2} minutes on 2 CPU cores", flush=True)
@@ -121,8 +128,9 @@ def main() -> None:
             plain.append(in_a_fresh_process(plain_loop, args.encoder, args.steps))
             bar.update(1)
             for precision, runs in ours.items():
-                rate, warmup, runs["ran_in"] = in_a_fresh_process(our_loop, args.encoder, args.steps,
-                                                                  f"{tmp}/{precision}{r}", precision)  # fmt: skip
+                rate, warmup, runs["ran_in"] = in_a_fresh_process(
+                    our_loop, args.encoder, args.steps, f"{tmp}/{precision}{r}", precision
+                )
                 runs["rates"].append(rate)
                 runs["warmups"].append(warmup)
                 bar.update(1)
@@ -131,13 +139,17 @@ def main() -> None:
     settings = TrainSettings()
     amx = "with" if torch.cpu._is_amx_tile_supported() else "without"
     on = f", on {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""
-    print(f"\ntraining, batch {settings.batch_size}, {args.steps} timed steps x {args.rounds} rounds (median), "
-          f"{os.cpu_count()} CPU cores {amx} AMX{on}, torch {torch.__version__}:")
+    print(
+        f"\ntraining, batch {settings.batch_size}, {args.steps} timed steps x {args.rounds} rounds (median), "
+        f"{os.cpu_count()} CPU cores {amx} AMX{on}, torch {torch.__version__}:"
+    )
     for precision, runs in ours.items():
         name = "sdkit minisd train" + ("" if precision == "auto" else f" --precision {precision}")
-        print(f"  {name + ':':47s} {statistics.median(runs['rates']):7.1f} samples/s  (precision {precision} = "
-              f"{runs['ran_in']}, compile; Min-SNR, EMA, clipping, logging; first 25 steps incl. compilation: "
-              f"{statistics.median(runs['warmups']):.0f} s)")
+        print(
+            f"  {name + ':':47s} {statistics.median(runs['rates']):7.1f} samples/s  (precision {precision} = "
+            f"{runs['ran_in']}, compile; Min-SNR, EMA, clipping, logging; first 25 steps incl. compilation: "
+            f"{statistics.median(runs['warmups']):.0f} s)"
+        )
     print(f"  {'plain eager loop:':47s} {plain_s:7.1f} samples/s  (float32, eager, MSE, AdamW)")
     for precision, runs in ours.items():
         name = "defaults" if precision == "auto" else f"--precision {precision}"
@@ -148,7 +160,9 @@ def main() -> None:
     began = time.perf_counter()
     pipe(prompts, num_inference_steps=25, seeds=list(range(16)))  # returns images on the CPU: synchronised
     seconds = time.perf_counter() - began
-    print(f"\nsampling: one call of 16 images, DDIM 25 steps with guidance: {seconds:.2f} s ({seconds / 16:.3f} s per image)")
+    print(
+        f"\nsampling: one call of 16 images, DDIM 25 steps with guidance: {seconds:.2f} s ({seconds / 16:.3f} s per image)"
+    )
 
 
 if __name__ == "__main__":

@@ -34,8 +34,12 @@ def main():
     results = {}
     with tqdm(total=3 * len(TOKENS), desc="measuring", unit="run") as bar:
         for tokens in TOKENS:
-            results[tokens] = {m.implementation: m for m in measure(
-                tokens, args.heads, args.head_dim, args.dtype, args.device, repeats=args.repeats, progress=bar)}  # fmt: skip
+            results[tokens] = {
+                m.implementation: m
+                for m in measure(
+                    tokens, args.heads, args.head_dim, args.dtype, args.device, repeats=args.repeats, progress=bar
+                )
+            }
     for tokens in TOKENS:
         print(format_measurements(list(results[tokens].values())), end="\n\n")
 
@@ -43,21 +47,37 @@ def main():
     for tokens in TOKENS[:2]:
         naive = results[tokens]["naive"]
         off = naive.peak_bytes / naive.predicted_bytes - 1
-        checks.append((f"naive peak at {tokens:,} tokens within 10 % of prediction", abs(off) <= 0.10,
-                       f"{naive.peak_bytes / 2**20:.1f} MiB measured vs {naive.predicted_bytes / 2**20:.1f} MiB predicted ({off:+.1%})"))  # fmt: skip
+        checks.append(
+            (
+                f"naive peak at {tokens:,} tokens within 10 % of prediction",
+                abs(off) <= 0.10,
+                f"{naive.peak_bytes / 2**20:.1f} MiB measured vs {naive.predicted_bytes / 2**20:.1f} MiB predicted ({off:+.1%})",
+            )
+        )
     naive, chunked = results[16384]["naive"], results[16384]["chunked"]
-    checks.append(("chunked peak <= 1/8 of naive's at 16,384 tokens", chunked.peak_bytes * 8 <= naive.peak_bytes,
-                   f"ratio {chunked.peak_bytes / naive.peak_bytes:.4f}"))  # fmt: skip
-    checks.append(("chunked time <= 1.5x naive's at 16,384 tokens", chunked.median_seconds <= 1.5 * naive.median_seconds,
-                   f"{chunked.median_seconds:.2f} s vs {naive.median_seconds:.2f} s, ratio {chunked.median_seconds / naive.median_seconds:.2f}"))  # fmt: skip
+    checks.append(
+        (
+            "chunked peak <= 1/8 of naive's at 16,384 tokens",
+            chunked.peak_bytes * 8 <= naive.peak_bytes,
+            f"ratio {chunked.peak_bytes / naive.peak_bytes:.4f}",
+        )
+    )
+    checks.append(
+        (
+            "chunked time <= 1.5x naive's at 16,384 tokens",
+            chunked.median_seconds <= 1.5 * naive.median_seconds,
+            f"{chunked.median_seconds:.2f} s vs {naive.median_seconds:.2f} s, ratio {chunked.median_seconds / naive.median_seconds:.2f}",
+        )
+    )
 
     def table_measured(tokens):  # naive peak minus what is not the table
         tensors = predicted_peak("sdpa", tokens, args.heads, args.head_dim, args.dtype, tokens)
         return results[tokens]["naive"].peak_bytes - tensors
 
     growth = table_measured(16384) / table_measured(4096)
-    checks.append(("measured table grows 16x from 4,096 to 16,384 tokens", abs(growth / 16 - 1) <= 0.10,
-                   f"{growth:.2f}x"))  # fmt: skip
+    checks.append(
+        ("measured table grows 16x from 4,096 to 16,384 tokens", abs(growth / 16 - 1) <= 0.10, f"{growth:.2f}x")
+    )
     for name, ok, detail in checks:
         print(f"{'PASS' if ok else 'FAIL'}  {name}: {detail}")
     if args.plot:
@@ -66,8 +86,13 @@ def main():
     if args.json:
         from dataclasses import asdict
 
-        write_json(args.json, {"measured": [asdict(m) for r in results.values() for m in r.values()],
-                               "checks": [{"check": n, "ok": ok, "detail": d} for n, ok, d in checks]})  # fmt: skip
+        write_json(
+            args.json,
+            {
+                "measured": [asdict(m) for r in results.values() for m in r.values()],
+                "checks": [{"check": n, "ok": ok, "detail": d} for n, ok, d in checks],
+            },
+        )
     return 0 if all(ok for _, ok, _ in checks) else 1
 
 

@@ -1,4 +1,4 @@
-"""Where the mini SD loses composition, and what steering wins back: the README's Composition section.
+"""Where the mini SD loses composition, and what steering wins back: the docs' Composition page.
 
     python scripts/composition.py [--model weights/minisd] [--count 64] [--skip probe,leakage,order,noise,steering,picture]
 
@@ -38,17 +38,26 @@ from sdkit.minisd.evaluate import evaluate, format_evaluation, prompt_set
 from sdkit.minisd.pipeline import MiniSDPipeline
 from sdkit.steering import SteeringSettings
 
-# Each objective alone, then the combinations worth trying; the best on pairs is the README's.
-STEERING_ROWS = (("excite",), ("bind",), ("layout",), ("layout", "bind"), ("excite", "layout"),
-                 ("excite", "bind", "layout"))  # fmt: skip
+# Each objective alone, then the combinations worth trying; the best on pairs is the docs' (docs/commands/steering.md).
+STEERING_ROWS = (
+    ("excite",),
+    ("bind",),
+    ("layout",),
+    ("layout", "bind"),
+    ("excite", "layout"),
+    ("excite", "bind", "layout"),
+)
 MAP_TIMESTEP = 300  # the maps drawn in composition.png: the final image noised to here
 
 
 def probe(encoders: Path, out: Path) -> None:
     from sdkit.minisd.probe import format_probe, run_probe
 
-    reports = [run_probe(load_text_encoder(str(encoders / name), layer=layer))
-               for name in ("all-MiniLM-L6-v2", "all-mpnet-base-v2") for layer in ("last", "penultimate")]
+    reports = [
+        run_probe(load_text_encoder(str(encoders / name), layer=layer))
+        for name in ("all-MiniLM-L6-v2", "all-mpnet-base-v2")
+        for layer in ("last", "penultimate")
+    ]
     print(format_probe(reports), flush=True)
     write_json(out / "probe.json", {"reports": [r.to_json() for r in reports]})
 
@@ -96,14 +105,19 @@ def draw_leakage(on_generator, on_generated, path) -> None:
 
     def grid(rows, key):
         by = {(r["layer"], r["timestep"]): r[key] for r in rows}
-        return np.array([[np.nan if by.get((l, t)) is None else by[(l, t)] for t in timesteps] for l in layers])
+        return np.array(
+            [[np.nan if by.get((layer, t)) is None else by[(layer, t)] for t in timesteps] for layer in layers]
+        )
 
-    panels = [(grid(on_generator.rows, "colour"), "colour-word leakage\ngenerator pairs", (0, 1)),
-              (grid(on_generated.rows, "colour"), "colour-word leakage\nmodel's pairs", (0, 1)),
-              (grid(on_generated.by_verdict, "colour AUC"), "colour leakage AUC\nswapped vs bound", (0.3, 0.7)),
-              (grid(on_generated.by_verdict, "relation AUC"), "relation-word share AUC\nright vs wrong", (0.3, 0.7))]
-    fig, axes = plt.subplots(1, len(panels), figsize=(3.3 * len(panels) + 2.5, 0.42 * len(layers) + 1.6), dpi=110,
-                             sharey=True)  # fmt: skip
+    panels = [
+        (grid(on_generator.rows, "colour"), "colour-word leakage\ngenerator pairs", (0, 1)),
+        (grid(on_generated.rows, "colour"), "colour-word leakage\nmodel's pairs", (0, 1)),
+        (grid(on_generated.by_verdict, "colour AUC"), "colour leakage AUC\nswapped vs bound", (0.3, 0.7)),
+        (grid(on_generated.by_verdict, "relation AUC"), "relation-word share AUC\nright vs wrong", (0.3, 0.7)),
+    ]
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(3.3 * len(panels) + 2.5, 0.42 * len(layers) + 1.6), dpi=110, sharey=True
+    )
     for ax, (values, title, limits) in zip(axes, panels):
         image = ax.imshow(values, cmap="coolwarm", vmin=limits[0], vmax=limits[1], aspect="auto")
         for (r, c), v in np.ndenumerate(values):
@@ -113,11 +127,13 @@ def draw_leakage(on_generator, on_generated, path) -> None:
         ax.set_xlabel("timestep", fontsize=7)
         ax.set_title(title, fontsize=8)
         fig.colorbar(image, ax=ax, fraction=0.05)
-    axes[0].set_yticks(range(len(layers)), [l.split(".transformer")[0] for l in layers], fontsize=7)
+    axes[0].set_yticks(range(len(layers)), [layer.split(".transformer")[0] for layer in layers], fontsize=7)
     groups = ", ".join(f"{k} {v}" for k, v in on_generated.groups.items())
-    fig.suptitle(f"{on_generator.model}: where colour words leak onto the other object (0 own, 0.5 either, 1 the "
-                 f"other) and which layers tell the judge's verdicts apart (AUC 0.5: not at all; images: {groups})",
-                 fontsize=8)  # fmt: skip
+    fig.suptitle(
+        f"{on_generator.model}: where colour words leak onto the other object (0 own, 0.5 either, 1 the "
+        f"other) and which layers tell the judge's verdicts apart (AUC 0.5: not at all; images: {groups})",
+        fontsize=8,
+    )
     save_figure(fig, path)
 
 
@@ -125,8 +141,13 @@ def steering(pipe, model: str, count: int, scale: float, steps: int, out: Path) 
     # A row takes up to 8 minutes on 2 CPU cores: each finished row is kept in a partial file, so a
     # stopped run started again on the same weights and settings goes on from the next row.
     weights = Path(model) / "unet" / "diffusion_pytorch_model.safetensors"
-    header = {"model": model, "weights_sha256": hashlib.sha256(weights.read_bytes()).hexdigest(), "count": count,
-              "scale": scale, "steps": steps}  # fmt: skip
+    header = {
+        "model": model,
+        "weights_sha256": hashlib.sha256(weights.read_bytes()).hexdigest(),
+        "count": count,
+        "scale": scale,
+        "steps": steps,
+    }
     partial = out / "steering.partial.json"
     done = json.loads(partial.read_text()) if partial.is_file() else {}
     done_rows = done.get("rows", []) if done.get("header") == header else []
@@ -140,9 +161,15 @@ def steering(pipe, model: str, count: int, scale: float, steps: int, out: Path) 
         settings = SteeringSettings(objectives=objectives, scale=scale, steps=steps)
         ev = evaluate(pipe, ("singles", "pairs"), count, floors=False, model_name=model, steering=settings)
         print(format_evaluation(ev), flush=True)
-        row = {"objectives": list(objectives), "steered": ev.results["model"], "unsteered": ev.results["unsteered"],
-               "intervals": ev.intervals, "seconds_per_image": ev.seconds_per_image, "changed": ev.changed,
-               "verdicts": ev.verdicts}  # fmt: skip
+        row = {
+            "objectives": list(objectives),
+            "steered": ev.results["model"],
+            "unsteered": ev.results["unsteered"],
+            "intervals": ev.intervals,
+            "seconds_per_image": ev.seconds_per_image,
+            "changed": ev.changed,
+            "verdicts": ev.verdicts,
+        }
         rows.append(row)
         write_json(partial, {"header": header, "rows": rows})
     best = max(rows, key=lambda r: r["steered"]["pairs"]["all"])  # the first of equals, as listed
@@ -151,13 +178,25 @@ def steering(pipe, model: str, count: int, scale: float, steps: int, out: Path) 
     settings = SteeringSettings(objectives=tuple(best["objectives"]), scale=scale, steps=steps)
     ev = evaluate(pipe, ("held_out_pairs",), count, floors=False, model_name=model, steering=settings)
     print(format_evaluation(ev), flush=True)
-    held_out = {"steered": ev.results["model"]["held_out_pairs"],
-                "unsteered": ev.results["unsteered"]["held_out_pairs"], "intervals": ev.intervals["held_out_pairs"],
-                "changed": ev.changed["held_out_pairs"]}
-    result = {"model": model, "count": count, "scale": scale, "steps": steps, "sampler": "ddim", "sampling_steps": 25,
-              "guidance_scale": 4.0, "rows": rows, "best": best["objectives"],
-              "best_on_held_out_pairs": held_out}  # fmt: skip
-    print(f"best on pairs: {'+'.join(result['best'])} (the README's table: python scripts/readme_tables.py steering)")
+    held_out = {
+        "steered": ev.results["model"]["held_out_pairs"],
+        "unsteered": ev.results["unsteered"]["held_out_pairs"],
+        "intervals": ev.intervals["held_out_pairs"],
+        "changed": ev.changed["held_out_pairs"],
+    }
+    result = {
+        "model": model,
+        "count": count,
+        "scale": scale,
+        "steps": steps,
+        "sampler": "ddim",
+        "sampling_steps": 25,
+        "guidance_scale": 4.0,
+        "rows": rows,
+        "best": best["objectives"],
+        "best_on_held_out_pairs": held_out,
+    }
+    print(f"best on pairs: {'+'.join(result['best'])} (the docs' table: python scripts/maintain/tables.py steering)")
     write_json(out / "steering.json", result)
     partial.unlink()
     return result
@@ -165,15 +204,18 @@ def steering(pipe, model: str, count: int, scale: float, steps: int, out: Path) 
 
 def word_maps(pipe, image: np.ndarray, scene) -> list[np.ndarray]:
     """Each object's shape-word map on an image noised to MAP_TIMESTEP, all layers."""
-    from sdkit.trace import CrossAttentionTrace
     from sdkit.encoders import token_roles
     from sdkit.localization import _noised, object_words
     from sdkit.minisd.data import to_model
+    from sdkit.trace import CrossAttentionTrace
 
     pixels = torch.from_numpy(to_model(image))[None]
     with torch.no_grad(), CrossAttentionTrace(pipe.unet, maps=True) as trace:
-        pipe.unet(pipe.model_input(_noised(pipe, pixels, MAP_TIMESTEP, 0)), MAP_TIMESTEP,
-                  encoder_hidden_states=pipe.encode([scene.caption]))  # fmt: skip
+        pipe.unet(
+            pipe.model_input(_noised(pipe, pixels, MAP_TIMESTEP, 0)),
+            MAP_TIMESTEP,
+            encoder_hidden_states=pipe.encode([scene.caption]),
+        )
     maps = trace.token_maps(item=0, size=image.shape[:2])
     words = object_words(token_roles(pipe.encoder.tokenizer, scene.caption, pipe.spec.max_length), scene.objects)
     return [maps[w["positions"]].sum(0).numpy() for w in words if w["kind"] == "shape"]
@@ -197,8 +239,14 @@ def draw_composition(pipe, result: dict, path, shown: int = 4) -> None:
 
     steps, guidance = result["sampling_steps"], result["guidance_scale"]
     plain = pipe(captions, steps, guidance, seeds=seeds).images
-    steered = pipe(captions, steps, guidance, seeds=seeds, steering=settings,
-                   guides=caption_guides(pipe.encoder, captions, pipe.spec.image_size)).images  # fmt: skip
+    steered = pipe(
+        captions,
+        steps,
+        guidance,
+        seeds=seeds,
+        steering=settings,
+        guides=caption_guides(pipe.encoder, captions, pipe.spec.image_size),
+    ).images
     fig, axes = plt.subplots(len(order), 6, figsize=(9.5, 1.75 * len(order) + 0.6), dpi=110, squeeze=False)
     for r, i in enumerate(order):
         for c, (name, images) in enumerate((("unsteered", plain), ("+".join(result["best"]), steered))):
@@ -210,10 +258,20 @@ def draw_composition(pipe, result: dict, path, shown: int = 4) -> None:
                 ax.imshow(picture, interpolation="nearest", cmap=None if k == 0 else "magma")
                 ax.set_title(title, fontsize=7)
                 ax.axis("off")
-        axes[r, 0].text(-0.1, 0.5, textwrap.fill(scenes[i].caption, 20), transform=axes[r, 0].transAxes, ha="right",
-                        va="center", fontsize=6.5)  # fmt: skip
-    fig.suptitle(f"{result['model']}: the same seeds unsteered and steered by {'+'.join(result['best'])}, with each "
-                 f"shape word's attention (all layers, the image noised to t={MAP_TIMESTEP})", fontsize=8)  # fmt: skip
+        axes[r, 0].text(
+            -0.1,
+            0.5,
+            textwrap.fill(scenes[i].caption, 20),
+            transform=axes[r, 0].transAxes,
+            ha="right",
+            va="center",
+            fontsize=6.5,
+        )
+    fig.suptitle(
+        f"{result['model']}: the same seeds unsteered and steered by {'+'.join(result['best'])}, with each "
+        f"shape word's attention (all layers, the image noised to t={MAP_TIMESTEP})",
+        fontsize=8,
+    )
     save_figure(fig, path)
 
 
@@ -224,7 +282,9 @@ def main() -> int:
     parser.add_argument("--scale", type=float, default=40.0, help="steering scale")
     parser.add_argument("--steering-steps", type=int, default=15, help="steer the first this many of 25 steps")
     parser.add_argument("--out", default=None, help="where to write (default: MODEL/findings)")
-    parser.add_argument("--skip", default="", help="comma-separated parts to skip: probe,leakage,order,noise,steering,picture")
+    parser.add_argument(
+        "--skip", default="", help="comma-separated parts to skip: probe,leakage,order,noise,steering,picture"
+    )
     parser.add_argument("--encoders", default="weights/encoders", help="where the real encoders are")
     args = parser.parse_args()
     out = Path(args.out or Path(args.model) / "findings")

@@ -1,4 +1,4 @@
-"""Regenerate the README's findings from the shipped mini SD, in one run: numbers and pictures.
+"""Regenerate the docs' findings from the shipped mini SD, in one run: numbers and pictures.
 
     python scripts/findings.py [--model weights/minisd] [--pooled-model weights/minisd-pooled] [--count 64]
 
@@ -9,7 +9,7 @@ Runs, on the trained model (each is also one `sdkit` command):
   4. sdkit adapter train --unet MODEL  mpnet (768) -> MiniLM (384) adapters driving the frozen model,
                                        trained on its captions and, apart, on generic prompts
   5. sdkit memory                      attention as key-value memory (random and real keys)
-writing JSON and PNGs to weights/minisd/findings/ (the pictures the README shows) and printing each
+writing JSON and PNGs to weights/minisd/findings/ (the pictures the docs show) and printing each
 table. Needs the real encoders (python scripts/get_real_encoders.py). About 35 minutes on 2 CPU
 cores; --count 32 takes off about a third.
 """
@@ -45,25 +45,93 @@ def main() -> None:
     print(f"expected duration: about {25 * args.count // 64 + 10} minutes on 2 CPU cores", flush=True)
     count = str(args.count)
     if "eval" not in skip:
-        run("Judged accuracy", ["minisd", "eval", "--model", args.model, "--count", count,
-                                "--panel", str(out / "eval.png"), "--json-out", str(out / "eval.json")])  # fmt: skip
+        run(
+            "Judged accuracy",
+            [
+                "minisd",
+                "eval",
+                "--model",
+                args.model,
+                "--count",
+                count,
+                "--panel",
+                str(out / "eval.png"),
+                "--json-out",
+                str(out / "eval.json"),
+            ],
+        )
     if "masks" not in skip:
-        run("Attention against the answer key", ["condition", "--unet", args.model, "--masks", "--count", count,
-                                                 "--plot", str(out / "maps.png"), "--json-out", str(out / "maps.json")])  # fmt: skip
+        run(
+            "Attention against the answer key",
+            [
+                "condition",
+                "--unet",
+                args.model,
+                "--masks",
+                "--count",
+                count,
+                "--plot",
+                str(out / "maps.png"),
+                "--json-out",
+                str(out / "maps.json"),
+            ],
+        )
     if "generate" not in skip:
         pooled = ["--pooled-model", args.pooled_model] if Path(args.pooled_model).is_dir() else []
-        run("One token against many", ["condition", "--unet", args.model, "--generate", "--count", count, *pooled,
-                                       "--plot", str(out / "tokens.png"), "--json-out", str(out / "tokens.json")])  # fmt: skip
+        run(
+            "One token against many",
+            [
+                "condition",
+                "--unet",
+                args.model,
+                "--generate",
+                "--count",
+                count,
+                *pooled,
+                "--plot",
+                str(out / "tokens.png"),
+                "--json-out",
+                str(out / "tokens.json"),
+            ],
+        )
     if "adapter" not in skip:
         mpnet, minilm = (str(Path(args.encoders) / name) for name in ("all-mpnet-base-v2", "all-MiniLM-L6-v2"))
         for corpus, flag in (("captions", ["--captions", "2000"]), ("generic", ["--generate", "2000"])):
-            run(f"The adapter end to end, trained on {corpus}",
-                ["adapter", "train", "--new", mpnet, "--old", minilm, "--unet", args.model, *flag,
-                 "--kinds", "linear,mlp,mixer", "--judge", str(max(16, args.count // 2)),
-                 "--out", str(out / f"adapters-{corpus}"), "--json-out", str(out / f"adapter-{corpus}.json")])  # fmt: skip
+            run(
+                f"The adapter end to end, trained on {corpus}",
+                [
+                    "adapter",
+                    "train",
+                    "--new",
+                    mpnet,
+                    "--old",
+                    minilm,
+                    "--unet",
+                    args.model,
+                    *flag,
+                    "--kinds",
+                    "linear,mlp,mixer",
+                    "--judge",
+                    str(max(16, args.count // 2)),
+                    "--out",
+                    str(out / f"adapters-{corpus}"),
+                    "--json-out",
+                    str(out / f"adapter-{corpus}.json"),
+                ],
+            )
     if "memory" not in skip:
-        run("Attention as key-value memory", ["memory", "--minisd", args.model, "--plot", str(out / "memory.png"),
-                                              "--json-out", str(out / "memory.json")])  # fmt: skip
+        run(
+            "Attention as key-value memory",
+            [
+                "memory",
+                "--minisd",
+                args.model,
+                "--plot",
+                str(out / "memory.png"),
+                "--json-out",
+                str(out / "memory.json"),
+            ],
+        )
     print(f"\nwrote {out}")
 
 

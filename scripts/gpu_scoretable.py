@@ -33,8 +33,11 @@ def main(argv=None):
     parser.add_argument("--out", default="out/gpu_scoretable.json")
     args = parser.parse_args(argv)
     if args.device == "auto" and not torch.cuda.is_available():
-        print("gpu_scoretable.py: error: this machine has no CUDA device (for a logic check on the CPU, pass "
-              "--device cpu with small --latent-tokens / --pixel-tokens / --budget)", file=sys.stderr)  # fmt: skip
+        print(
+            "gpu_scoretable.py: error: this machine has no CUDA device (for a logic check on the CPU, pass "
+            "--device cpu with small --latent-tokens / --pixel-tokens / --budget)",
+            file=sys.stderr,
+        )
         sys.exit(2)
     try:
         device = resolve_device(args.device)
@@ -43,8 +46,12 @@ def main(argv=None):
         sys.exit(2)
     print("expected duration: a few minutes on a CUDA GPU", flush=True)
     start = time.perf_counter()
-    report = {"device": device, "torch": torch.__version__, "host": platform.node(),
-              "gpu": torch.cuda.get_device_name(device) if device.startswith("cuda") else None}  # fmt: skip
+    report = {
+        "device": device,
+        "torch": torch.__version__,
+        "host": platform.node(),
+        "gpu": torch.cuda.get_device_name(device) if device.startswith("cuda") else None,
+    }
 
     latent = measure(args.latent_tokens, args.heads, args.head_dim, args.dtype, device, budget=args.budget)
     print(format_measurements(latent), end="\n\n")
@@ -55,14 +62,16 @@ def main(argv=None):
     tokens = largest_naive_tokens(1, args.head_dim, args.dtype, available)
     largest = []
     while tokens > 0 and not (largest and largest[-1].peak_bytes):
-        largest.append(measure(tokens, 1, args.head_dim, args.dtype, device, ("naive",), budget=args.budget,
-                               repeats=1)[0])  # fmt: skip
+        largest.append(
+            measure(tokens, 1, args.head_dim, args.dtype, device, ("naive",), budget=args.budget, repeats=1)[0]
+        )
         tokens -= 1024 * max(1, tokens // 1024 // 10)  # step down if it did not run after all
     print(format_measurements(largest), end="\n\n")
     report["largest_naive"] = [asdict(m) for m in largest]
 
-    pixel = measure(args.pixel_tokens, 1, args.head_dim, args.dtype, device, ("sdpa", "chunked"),
-                    budget=args.budget, repeats=3)  # fmt: skip
+    pixel = measure(
+        args.pixel_tokens, 1, args.head_dim, args.dtype, device, ("sdpa", "chunked"), budget=args.budget, repeats=3
+    )
     print(format_measurements(pixel), end="\n\n")
     report["pixel"] = [asdict(m) for m in pixel]
     report["seconds"] = time.perf_counter() - start

@@ -10,9 +10,9 @@ import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
+from .checkpoints import CheckpointIndex, index_checkpoint
 from .common import SdkitError, format_bytes, format_table
 from .geometry import halved, image_factor, level_depth, native_image_size
-from .checkpoints import CheckpointIndex, index_checkpoint
 from .safetensors_header import TensorInfo
 
 ROLES = (
@@ -32,8 +32,12 @@ ROLES = (
 CROSS_ATTENTION_ROLES = ROLES[1:4]
 IMAGE_SIZE = 512  # the image side for the per-level grid when the model does not say its own
 
-_CROSS = {"to_q": "cross_attention.query", "to_k": "cross_attention.key_value",
-          "to_v": "cross_attention.key_value", "to_out": "cross_attention.output"}  # fmt: skip
+_CROSS = {
+    "to_q": "cross_attention.query",
+    "to_k": "cross_attention.key_value",
+    "to_v": "cross_attention.key_value",
+    "to_out": "cross_attention.output",
+}
 _CROSS_PART = re.compile(r"\.attn2\.(to_q|to_k|to_v|to_out)\.")
 _NORM = re.compile(r"\.norm\d?\.")
 _KEY_VALUE = re.compile(r"\.attn2\.to_[kv]\.weight$")
@@ -146,8 +150,14 @@ def _levels(entries: list[_Entry], image_size: int, factor: int) -> list[dict]:
             continue
         roles = _sum_roles(by_level[level])
         depth = None if level == "other" else max(0, level_depth(level, levels))
-        rows.append({"name": level, "latent_side": None if depth is None else halved(side, side, depth)[0],
-                     "total": sum(roles.values()), "roles": roles})  # fmt: skip
+        rows.append(
+            {
+                "name": level,
+                "latent_side": None if depth is None else halved(side, side, depth)[0],
+                "total": sum(roles.values()),
+                "roles": roles,
+            }
+        )
     return rows
 
 
@@ -190,12 +200,16 @@ def audit_index(index: CheckpointIndex, context_dim: int | None = None, image_si
     unet = index.unet
     empty = next((name for name, info in unet.items() if info.numel == 0), None)
     if empty is not None:
-        raise SdkitError(f"{index.source}: U-Net tensor {empty} has shape {list(unet[empty].shape)}, no elements; a "
-                         "U-Net's tensors are never empty")  # fmt: skip
+        raise SdkitError(
+            f"{index.source}: U-Net tensor {empty} has shape {list(unet[empty].shape)}, no elements; a "
+            "U-Net's tensors are never empty"
+        )
     for name, info in unet.items():  # the tensors whose sizes are read below must have their rank
         rank = 4 if name == "conv_in.weight" else 2 if _KEY_VALUE.search(name) else None
         if rank is not None and len(info.shape) != rank:
-            raise SdkitError(f"{index.source}: {name} has shape {list(info.shape)}, not the {rank}-D weight a U-Net has there")
+            raise SdkitError(
+                f"{index.source}: {name} has shape {list(info.shape)}, not the {rank}-D weight a U-Net has there"
+            )
     config = index.config or {"in_channels": next((i.shape[1] for n, i in unet.items() if n == "conv_in.weight"), 4)}
     factor = image_factor(config)
     image_size = image_size if image_size is not None else native_image_size(config) or IMAGE_SIZE
@@ -238,15 +252,19 @@ def audit_module(unet, source: str = "module", context_dim: int | None = None) -
     """Audit a U-Net module (torch.nn.Module) as it is."""
     from .tensors import module_index
 
-    index = CheckpointIndex(source, "module", "diffusers", {"unet": module_index(unet)}, config=dict(getattr(unet, "config", {})))
+    index = CheckpointIndex(
+        source, "module", "diffusers", {"unet": module_index(unet)}, config=dict(getattr(unet, "config", {}))
+    )
     return audit_index(index, context_dim)
 
 
 _SHORT = {
-    "self_attention": "self-attn", "cross_attention.query": "cross q",
-    "cross_attention.key_value": "cross k/v", "cross_attention.output": "cross out",
+    "self_attention": "self-attn",
+    "cross_attention.query": "cross q",
+    "cross_attention.key_value": "cross k/v",
+    "cross_attention.output": "cross out",
     "time_embedding": "time emb",
-}  # fmt: skip
+}
 
 
 def format_audit(a: Audit) -> str:
@@ -257,7 +275,10 @@ def format_audit(a: Audit) -> str:
     out.append("")
     out.append(format_table(["role", "params", "share"], [[r, n, pct(n, a.total)] for r, n in a.roles.items() if n]))
     b = a.attention_blocks
-    out += ["", f"{b['count']} attention (Transformer2D) blocks hold {b['total']:,} ({pct(b['total'], a.total)} of the U-Net):"]
+    out += [
+        "",
+        f"{b['count']} attention (Transformer2D) blocks hold {b['total']:,} ({pct(b['total'], a.total)} of the U-Net):",
+    ]
     rows = [
         ["mlp (feed-forward)", b["mlp"], pct(b["mlp"], b["total"])],
         ["self-attention", b["self_attention"], pct(b["self_attention"], b["total"])],
@@ -275,21 +296,34 @@ def format_audit(a: Audit) -> str:
     for part, roles in zip(("attention blocks", "the rest"), halves):
         if not roles:
             continue
-        rows = [[lv["name"], lv["latent_side"], *(lv["roles"][r] for r in roles),
-                 sum(lv["roles"][r] for r in roles)] for lv in a.levels]  # fmt: skip
+        rows = [
+            [lv["name"], lv["latent_side"], *(lv["roles"][r] for r in roles), sum(lv["roles"][r] for r in roles)]
+            for lv in a.levels
+        ]
         rows.append(["total", "", *(a.roles[r] for r in roles), sum(a.roles[r] for r in roles)])
-        title = (f"Per level, {part} (side: {'latent' if a.grid_factor > 1 else 'grid'} cells per side at "
-                 f"{a.image_size}x{a.image_size} px)")  # fmt: skip
+        title = (
+            f"Per level, {part} (side: {'latent' if a.grid_factor > 1 else 'grid'} cells per side at "
+            f"{a.image_size}x{a.image_size} px)"
+        )
         out += ["", format_table(["level", "side", *(_SHORT.get(r, r) for r in roles), "sum"], rows, title=title)]
     if a.components:
-        rows = [[c, v["params"], ", ".join(sorted(v["dtypes"])), format_bytes(v["bytes"])] for c, v in a.components.items()]
+        rows = [
+            [c, v["params"], ", ".join(sorted(v["dtypes"])), format_bytes(v["bytes"])] for c, v in a.components.items()
+        ]
         out += ["", format_table(["component", "params", "dtype", "bytes"], rows)]
     if s := a.text_width_swap:
-        groups = Counter((c["name"].rsplit(".", 2)[-2], tuple(c["old_shape"]), tuple(c["new_shape"])) for c in s["changed"])
-        rows = [[f"attn2.{t}", list(old), list(new), n, n * new[0] * (new[1] - old[1])] for (t, old, new), n in groups.items()]
+        groups = Counter(
+            (c["name"].rsplit(".", 2)[-2], tuple(c["old_shape"]), tuple(c["new_shape"])) for c in s["changed"]
+        )
+        rows = [
+            [f"attn2.{t}", list(old), list(new), n, n * new[0] * (new[1] - old[1])]
+            for (t, old, new), n in groups.items()
+        ]
         rows.append(["total", "", "", s["changed_tensors"], s["parameter_change"]])
-        title = (f"Text width {s['old_width']} -> {s['new_width']}: the U-Net goes from {s['total_before']:,} to "
-                 f"{s['total_after']:,} parameters\n({s['parameter_change']:+,}), only in these tensors:")  # fmt: skip
+        title = (
+            f"Text width {s['old_width']} -> {s['new_width']}: the U-Net goes from {s['total_before']:,} to "
+            f"{s['total_after']:,} parameters\n({s['parameter_change']:+,}), only in these tensors:"
+        )
         out += ["", format_table(["tensor", "old shape", "new shape", "count", "change"], rows, title=title)]
         out.append(
             f"Or keep the U-Net as it is and put a linear adapter {s['new_width']} -> {s['old_width']} in front:\n"
@@ -300,8 +334,20 @@ def format_audit(a: Audit) -> str:
 
 # --- the paper table -------------------------------------------------------------------------------------------
 
-PAPER_COLUMNS = ("model", "image px", "U-Net params", "blocks", "in blocks", "% of U-Net", "MLP", "self-attn",
-                 "cross-attn", "norm", "proj", "MLP share")  # fmt: skip
+PAPER_COLUMNS = (
+    "model",
+    "image px",
+    "U-Net params",
+    "blocks",
+    "in blocks",
+    "% of U-Net",
+    "MLP",
+    "self-attn",
+    "cross-attn",
+    "norm",
+    "proj",
+    "MLP share",
+)
 
 
 def paper_rows(audits: list[Audit]) -> list[list]:
@@ -311,8 +357,22 @@ def paper_rows(audits: list[Audit]) -> list[list]:
     rows = []
     for a in audits:
         b = a.attention_blocks
-        rows.append([a.source, a.image_size, a.total, b["count"], b["total"], 100 * b["total"] / a.total, b["mlp"],
-                     b["self_attention"], b["cross_attention"], b["norm"], b["proj"], 100 * b["mlp_share"]])  # fmt: skip
+        rows.append(
+            [
+                a.source,
+                a.image_size,
+                a.total,
+                b["count"],
+                b["total"],
+                100 * b["total"] / a.total,
+                b["mlp"],
+                b["self_attention"],
+                b["cross_attention"],
+                b["norm"],
+                b["proj"],
+                100 * b["mlp_share"],
+            ]
+        )
     return rows
 
 
@@ -337,8 +397,12 @@ def paper_table(audits: list[Audit], fmt: str = "markdown") -> str:
         writer.writerows([[f"{v:.2f}" if isinstance(v, float) else v for v in row] for row in rows])
         return buffer.getvalue()
     if fmt == "latex":
-        lines = [r"\begin{tabular}{l" + "r" * (len(PAPER_COLUMNS) - 1) + "}", r"\toprule",
-                 " & ".join(c.replace("%", r"\%") for c in PAPER_COLUMNS) + r" \\", r"\midrule"]  # fmt: skip
+        lines = [
+            r"\begin{tabular}{l" + "r" * (len(PAPER_COLUMNS) - 1) + "}",
+            r"\toprule",
+            " & ".join(c.replace("%", r"\%") for c in PAPER_COLUMNS) + r" \\",
+            r"\midrule",
+        ]
         lines += [" & ".join(text(v, latex=True) for v in row) + r" \\" for row in rows]
         lines += [r"\bottomrule", r"\end{tabular}"]
         return "\n".join(lines) + "\n"
@@ -347,4 +411,3 @@ def paper_table(audits: list[Audit], fmt: str = "markdown") -> str:
     lines = ["| " + " | ".join(PAPER_COLUMNS) + " |", "|---" + "|---:" * (len(PAPER_COLUMNS) - 1) + "|"]
     lines += ["| " + " | ".join(text(v) for v in row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
-

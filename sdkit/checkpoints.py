@@ -93,8 +93,9 @@ def original_to_diffusers_names(names, source: str = "checkpoint") -> dict[str, 
         layers_per_block = _original_layers_per_block(names)
     except SdkitError as e:
         raise SdkitError(f"{source}: {e}") from None
-    mid_attention = any(n.startswith("middle_block.1.") and not _is_resnet_part(n[len("middle_block.1."):])
-                        for n in names)  # fmt: skip
+    mid_attention = any(
+        n.startswith("middle_block.1.") and not _is_resnet_part(n[len("middle_block.1.") :]) for n in names
+    )
     mapping, unmapped = {}, []
     for name in names:
         module, _, tensor = name.rpartition(".")
@@ -104,7 +105,9 @@ def original_to_diffusers_names(names, source: str = "checkpoint") -> dict[str, 
         else:
             mapping[f"{new}.{tensor}"] = name
     if unmapped:
-        raise SdkitError(f"{source}: {len(unmapped)} U-Net tensors have no diffusers name, e.g. {sorted(unmapped)[0]!r}")
+        raise SdkitError(
+            f"{source}: {len(unmapped)} U-Net tensors have no diffusers name, e.g. {sorted(unmapped)[0]!r}"
+        )
     return mapping
 
 
@@ -154,14 +157,22 @@ def _original_module_to_diffusers(module: str, layers_per_block: int, mid_attent
 
 
 _RESNET_TO_ORIGINAL = {
-    "norm1": "in_layers.0", "conv1": "in_layers.2", "time_emb_proj": "emb_layers.1",
-    "norm2": "out_layers.0", "conv2": "out_layers.3", "conv_shortcut": "skip_connection",
-}  # fmt: skip
+    "norm1": "in_layers.0",
+    "conv1": "in_layers.2",
+    "time_emb_proj": "emb_layers.1",
+    "norm2": "out_layers.0",
+    "conv2": "out_layers.3",
+    "conv_shortcut": "skip_connection",
+}
 _TOP_TO_ORIGINAL = {
-    "time_embedding.linear_1": "time_embed.0", "time_embedding.linear_2": "time_embed.2",
-    "add_embedding.linear_1": "label_emb.0.0", "add_embedding.linear_2": "label_emb.0.2",
-    "conv_in": "input_blocks.0.0", "conv_norm_out": "out.0", "conv_out": "out.2",
-}  # fmt: skip
+    "time_embedding.linear_1": "time_embed.0",
+    "time_embedding.linear_2": "time_embed.2",
+    "add_embedding.linear_1": "label_emb.0.0",
+    "add_embedding.linear_2": "label_emb.0.2",
+    "conv_in": "input_blocks.0.0",
+    "conv_norm_out": "out.0",
+    "conv_out": "out.2",
+}
 _RESNET_FROM_ORIGINAL = {original: name for name, original in _RESNET_TO_ORIGINAL.items()}
 _TOP_FROM_ORIGINAL = {original: name for name, original in _TOP_TO_ORIGINAL.items()}
 
@@ -231,9 +242,11 @@ def resolve_local(spec: str | os.PathLike) -> str:
     try:
         return snapshot_download(spec, local_files_only=True)
     except (LocalEntryNotFoundError, OSError, ValueError):
-        raise SdkitError(f"{spec}: no such file or folder, and not in the local Hugging Face cache "
-                         f"({constants.HF_HUB_CACHE}); sdkit never downloads: fetch it there with "
-                         f"`huggingface-cli download {spec}` where there is a network, or pass a local path") from None
+        raise SdkitError(
+            f"{spec}: no such file or folder, and not in the local Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}); sdkit never downloads: fetch it there with "
+            f"`huggingface-cli download {spec}` where there is a network, or pass a local path"
+        ) from None
 
 
 def index_checkpoint(spec: str | os.PathLike, allow_pickle: bool = False) -> CheckpointIndex:
@@ -242,8 +255,8 @@ def index_checkpoint(spec: str | os.PathLike, allow_pickle: bool = False) -> Che
     source = str(spec)
     spec = resolve_local(spec)
     if spec in PRESETS:
-        from .tensors import module_index
         from .presets import build_unet
+        from .tensors import module_index
 
         unet = build_unet(preset_config(spec), weights="meta")
         return CheckpointIndex(spec, "preset", "diffusers", {"unet": module_index(unet)}, config=preset_config(spec))
@@ -275,8 +288,10 @@ def index_tensors(source: str, kind: str, tensors: dict, bytes_read: int | None)
     layout = _unet_layout(unet)
     if layout is None:
         if unet:
-            raise SdkitError(f"{source}: the U-Net part (model.diffusion_model.*) has no down/mid/up blocks "
-                             f"({len(unet)} tensors, e.g. {sorted(unet)[0]!r})")  # fmt: skip
+            raise SdkitError(
+                f"{source}: the U-Net part (model.diffusion_model.*) has no down/mid/up blocks "
+                f"({len(unet)} tensors, e.g. {sorted(unet)[0]!r})"
+            )
         found = ", ".join(f"{name} ({len(t)} tensors)" for name, t in sorted(components.items())) or "no tensors"
         raise SdkitError(f"{source}: no U-Net in this checkpoint (found: {found})")
     prefix = ORIGINAL_UNET_PREFIX if any(k.startswith(ORIGINAL_UNET_PREFIX) for k in tensors) else ""
@@ -317,7 +332,9 @@ def _index_folder(path: Path, allow_pickle: bool) -> CheckpointIndex:
     except (OSError, ValueError) as e:
         raise SdkitError(f"{unet_dir / 'config.json'}: cannot read it ({first_line(e)})") from None
     if not isinstance(index.config, dict):
-        raise SdkitError(f"{unet_dir / 'config.json'}: a U-Net config is a JSON object, not a {type(index.config).__name__}")
+        raise SdkitError(
+            f"{unet_dir / 'config.json'}: a U-Net config is a JSON object, not a {type(index.config).__name__}"
+        )
     return index
 
 
@@ -370,9 +387,18 @@ def infer_unet_config(unet: dict[str, TensorInfo]) -> dict:
         config["addition_embed_type"] = "text_time"
         config["projection_class_embeddings_input_dim"] = shape["add_embedding.linear_1"][1]
     if len(cross_dims) > 1:
-        raise SdkitError(f"U-Net cross-attention reads several text widths {sorted(cross_dims)}; pass its config to load_unet(config=...)")
-    structure = ("block_out_channels", "layers_per_block", "down_block_types", "up_block_types",
-                 "transformer_layers_per_block", "cross_attention_dim", "use_linear_projection")  # fmt: skip
+        raise SdkitError(
+            f"U-Net cross-attention reads several text widths {sorted(cross_dims)}; pass its config to load_unet(config=...)"
+        )
+    structure = (
+        "block_out_channels",
+        "layers_per_block",
+        "down_block_types",
+        "up_block_types",
+        "transformer_layers_per_block",
+        "cross_attention_dim",
+        "use_linear_projection",
+    )
     for name in PRESETS:
         candidate = {"transformer_layers_per_block": 1, "use_linear_projection": False, **preset_config(name)}
         if all(_plain(candidate[k]) == _plain(config[k]) for k in structure):
@@ -382,5 +408,3 @@ def infer_unet_config(unet: dict[str, TensorInfo]) -> dict:
 
 def _plain(value):
     return list(value) if isinstance(value, (list, tuple)) else value
-
-

@@ -11,8 +11,8 @@ import shutil
 import stat
 import sys
 import tempfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Sequence
 
 
 class SdkitError(Exception):
@@ -97,7 +97,7 @@ def _make_readable(folder: Path) -> None:
     """Give what a library wrote under `folder` the modes a plain open() would (safetensors' save_file
     creates its files 0600 whatever the umask)."""
     mask = _umask()
-    for root, dirs, files in os.walk(folder):
+    for root, _, files in os.walk(folder):
         os.chmod(root, 0o777 & ~mask)
         for name in files:
             os.chmod(os.path.join(root, name), 0o666 & ~mask)
@@ -119,9 +119,14 @@ def folder_record(path: str | os.PathLike) -> dict | None:
         record = json.loads((Path(path) / FOLDER_RECORD).read_text())
     except (OSError, ValueError):
         return None
-    if not (isinstance(record, dict) and record.get("written_by") == "sdkit" and record.get("kind") in FOLDER_KINDS
-            and type(record.get("version")) is int and isinstance(record.get("files"), list)
-            and all(isinstance(f, str) for f in record["files"])):  # fmt: skip
+    if not (
+        isinstance(record, dict)
+        and record.get("written_by") == "sdkit"
+        and record.get("kind") in FOLDER_KINDS
+        and type(record.get("version")) is int
+        and isinstance(record.get("files"), list)
+        and all(isinstance(f, str) for f in record["files"])
+    ):
         return None
     return record
 
@@ -164,10 +169,18 @@ def atomic_folder(path: str | os.PathLike, kind: str) -> Iterator[Path]:
         for name in written:  # refused before anything moves: the folder stays as it was
             target = path / name
             if (target.exists() or target.is_symlink()) and (name not in before or not target.is_file()):
-                raise SdkitError(f"{target}: sdkit did not write this, and writing {path} would replace it; "
-                                 "move it away or choose another folder")  # fmt: skip
-            blocker = next((p for p in target.parents if p != path and path in p.parents and
-                            (p.is_symlink() or (p.exists() and not p.is_dir()))), None)  # fmt: skip
+                raise SdkitError(
+                    f"{target}: sdkit did not write this, and writing {path} would replace it; "
+                    "move it away or choose another folder"
+                )
+            blocker = next(
+                (
+                    p
+                    for p in target.parents
+                    if p != path and path in p.parents and (p.is_symlink() or (p.exists() and not p.is_dir()))
+                ),
+                None,
+            )
             if blocker is not None:
                 raise SdkitError(f"{blocker}: sdkit did not write this, and writing {path} needs a folder there")
         # While files move the record lists both the old files and the new, marked incomplete: a
@@ -224,8 +237,9 @@ def check_output(path: str | os.PathLike, what: str = "output", folder: bool = F
     if not folder:
         source = next((i for i in inputs if i and _reads(Path(i), path)), None)
         if source is not None:
-            raise SdkitError(f"{path}: the {what} would land on what this command reads ({source}); "
-                             "choose another path")  # fmt: skip
+            raise SdkitError(
+                f"{path}: the {what} would land on what this command reads ({source}); choose another path"
+            )
     if is_special(path):
         return path
     existing = path if folder and path.is_dir() else path.parent
@@ -263,15 +277,17 @@ def _reads(source: Path, path: Path) -> bool:
         return False
     record = folder_record(source)
     if record is None:
-        return len(inside.parts) == 1 or any(_holds_model_files(source.joinpath(*inside.parts[:k]))
-                                             for k in range(1, len(inside.parts)))  # fmt: skip
+        return len(inside.parts) == 1 or any(
+            _holds_model_files(source.joinpath(*inside.parts[:k])) for k in range(1, len(inside.parts))
+        )
     components = {Path(name).parts[0] for name in record["files"] if len(Path(name).parts) > 1}
     return inside.parts[0] == FOLDER_RECORD or str(inside) in record["files"] or inside.parts[0] in components
 
 
 def _holds_model_files(folder: Path) -> bool:
-    return folder.is_dir() and any(any(folder.glob(pattern)) for pattern in ("*config*.json", "*.safetensors",
-                                                                             "*.bin", "tokenizer*", "vocab*"))
+    return folder.is_dir() and any(
+        any(folder.glob(pattern)) for pattern in ("*config*.json", "*.safetensors", "*.bin", "tokenizer*", "vocab*")
+    )
 
 
 def check_output_folder(path: str | os.PathLike, kind: str, what: str = "output folder", inputs=()) -> Path:
@@ -280,23 +296,31 @@ def check_output_folder(path: str | os.PathLike, kind: str, what: str = "output 
     whose own files are then replaced while everything else in it is kept (see atomic_folder)."""
     path = check_output(path, what, folder=True)
     for source in inputs:
-        if source and (_reads(Path(source), path) or (Path(source).exists() and path.resolve() in
-                                                       (Path(source).resolve(), *Path(source).resolve().parents))):
-            raise SdkitError(f"{path}: the {what} would hold or land on what this command reads ({source}); "
-                             "choose another folder")  # fmt: skip
+        if source and (
+            _reads(Path(source), path)
+            or (Path(source).exists() and path.resolve() in (Path(source).resolve(), *Path(source).resolve().parents))
+        ):
+            raise SdkitError(
+                f"{path}: the {what} would hold or land on what this command reads ({source}); choose another folder"
+            )
     if not path.is_dir() or not any(path.iterdir()):
         return path
     record = folder_record(path)
     if record is None:
         why = "its sdkit.json is not one sdkit wrote" if (path / FOLDER_RECORD).exists() else "no sdkit.json there"
-        raise SdkitError(f"{path}: the {what} is not empty and sdkit did not write it ({why}); "
-                         "choose a new or empty folder")  # fmt: skip
+        raise SdkitError(
+            f"{path}: the {what} is not empty and sdkit did not write it ({why}); choose a new or empty folder"
+        )
     if record["kind"] != kind:
-        raise SdkitError(f"{path}: the {what} holds {_KIND_WORDS[record['kind']]} that sdkit wrote, not "
-                         f"{_KIND_WORDS[kind]}; choose another folder")  # fmt: skip
+        raise SdkitError(
+            f"{path}: the {what} holds {_KIND_WORDS[record['kind']]} that sdkit wrote, not "
+            f"{_KIND_WORDS[kind]}; choose another folder"
+        )
     if record["version"] > FOLDER_RECORD_VERSION:
-        raise SdkitError(f"{path}: the {what} was written by a newer sdkit (folder record version "
-                         f"{record['version']}); choose another folder or upgrade sdkit")  # fmt: skip
+        raise SdkitError(
+            f"{path}: the {what} was written by a newer sdkit (folder record version "
+            f"{record['version']}); choose another folder or upgrade sdkit"
+        )
     return path
 
 
@@ -413,8 +437,18 @@ def format_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_bytes(text: str) -> int:

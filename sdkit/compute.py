@@ -19,9 +19,21 @@ from .audit import parameter_level, parameter_role
 from .common import SdkitError, format_bytes, format_table
 from .geometry import halved, image_factor, level_depth, native_image_size
 
-ROLES = ("self_attention.projections", "self_attention.products", "cross_attention.query",
-         "cross_attention.key_value", "cross_attention.output", "cross_attention.products", "mlp", "proj", "resnet",
-         "time_embedding", "sampler", "io", "other")  # fmt: skip
+ROLES = (
+    "self_attention.projections",
+    "self_attention.products",
+    "cross_attention.query",
+    "cross_attention.key_value",
+    "cross_attention.output",
+    "cross_attention.products",
+    "mlp",
+    "proj",
+    "resnet",
+    "time_embedding",
+    "sampler",
+    "io",
+    "other",
+)
 ATTENTION_ROLES = ROLES[:6]
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -64,8 +76,15 @@ def _role(name: str) -> str:
     return role if role in ROLES else "other"
 
 
-def compute(model, height: int | None = None, width: int | None = None, batch: int = 1, cfg: bool = False,
-            text_tokens: int | None = None, dtype: str = "float16") -> Compute:  # fmt: skip
+def compute(
+    model,
+    height: int | None = None,
+    width: int | None = None,
+    batch: int = 1,
+    cfg: bool = False,
+    text_tokens: int | None = None,
+    dtype: str = "float16",
+) -> Compute:
     """FLOPs of one forward pass of a preset or model folder (built on the meta device)."""
     import torch
 
@@ -78,8 +97,10 @@ def compute(model, height: int | None = None, width: int | None = None, batch: i
     width = width or height
     for side in (height, width):
         if side <= 0 or side % factor:
-            raise SdkitError(f"image size {height}x{width}: sides must be positive multiples of {factor} "
-                             f"(the pixels of one input cell)")  # fmt: skip
+            raise SdkitError(
+                f"image size {height}x{width}: sides must be positive multiples of {factor} "
+                f"(the pixels of one input cell)"
+            )
     levels = len(config["block_out_channels"])
     if min(height, width) // factor < 2 ** (levels - 1):
         raise SdkitError(f"image size {height}x{width} is too small for {levels} levels")
@@ -103,17 +124,25 @@ def compute(model, height: int | None = None, width: int | None = None, batch: i
         flops[name] = flops.get(name, 0) + value
         roles[role] += value
         level = parameter_level(f"{name}.weight")
-        entry = per_level.setdefault(level, {"name": level, "grid": list(grid(name)) if level != "stem" else None,
-                                             "roles": dict.fromkeys(ROLES, 0)})  # fmt: skip
+        entry = per_level.setdefault(
+            level,
+            {"name": level, "grid": list(grid(name)) if level != "stem" else None, "roles": dict.fromkeys(ROLES, 0)},
+        )
         entry["roles"][role] += value
 
     for name, module in unet.named_modules():
         if isinstance(module, torch.nn.Conv2d):
             h, w = grid(name)
             kh, kw = module.kernel_size
-            add(name, _role(name), 2 * batch * h * w * module.out_channels * module.in_channels // module.groups * kh * kw)
+            add(
+                name,
+                _role(name),
+                2 * batch * h * w * module.out_channels * module.in_channels // module.groups * kh * kw,
+            )
         elif isinstance(module, torch.nn.Linear):
-            if name.startswith(("time_embedding.", "add_embedding.", "class_embedding.")) or name.endswith("time_emb_proj"):
+            if name.startswith(("time_embedding.", "add_embedding.", "class_embedding.")) or name.endswith(
+                "time_emb_proj"
+            ):
                 rows = 1  # one vector per image
             elif name.endswith(("attn2.to_k", "attn2.to_v")):
                 rows = tokens
@@ -130,16 +159,30 @@ def compute(model, height: int | None = None, width: int | None = None, batch: i
     total = sum(roles.values())
     level_rows = []
     element = DTYPE_BYTES[dtype]
-    for level in ["stem", *sorted((k for k in per_level if k.startswith("down.")), key=lambda k: int(k[5:])), "mid",
-                  *sorted((k for k in per_level if k.startswith("up.")), key=lambda k: int(k[3:]))]:  # fmt: skip
+    for level in [
+        "stem",
+        *sorted((k for k in per_level if k.startswith("down.")), key=lambda k: int(k[5:])),
+        "mid",
+        *sorted((k for k in per_level if k.startswith("up.")), key=lambda k: int(k[3:])),
+    ]:
         if level not in per_level:
             continue
         entry = per_level[level]
         entry["total"] = sum(entry["roles"].values())
         entry["attention_bytes"] = _attention_bytes(unet, level, entry["grid"], batch, tokens, element)
         level_rows.append(entry)
-    return Compute(str(model) if isinstance(model, str) else "module", height, width, batch, tokens, dtype, total,
-                   roles, level_rows, flops)  # fmt: skip
+    return Compute(
+        str(model) if isinstance(model, str) else "module",
+        height,
+        width,
+        batch,
+        tokens,
+        dtype,
+        total,
+        roles,
+        level_rows,
+        flops,
+    )
 
 
 def _attention_bytes(unet, level: str, grid, batch: int, tokens: int, element: int) -> dict:
@@ -148,21 +191,30 @@ def _attention_bytes(unet, level: str, grid, batch: int, tokens: int, element: i
     if grid is None:
         return {}
     cells = grid[0] * grid[1]
-    layers = [m for n, m in unet.named_modules() if type(m).__name__ == "Attention" and n.endswith("attn1")
-              and parameter_level(f"{n}.weight") == level]  # fmt: skip
+    layers = [
+        m
+        for n, m in unet.named_modules()
+        if type(m).__name__ == "Attention" and n.endswith("attn1") and parameter_level(f"{n}.weight") == level
+    ]
     if not layers:
         return {}
     heads, inner = layers[0].heads, layers[0].to_q.out_features
-    return {"self_scores": batch * heads * cells * cells * element, "cross_scores": batch * heads * cells * tokens * element,
-            "qkv_out": 4 * batch * cells * inner * element}  # fmt: skip
+    return {
+        "self_scores": batch * heads * cells * cells * element,
+        "cross_scores": batch * heads * cells * tokens * element,
+        "qkv_out": 4 * batch * cells * inner * element,
+    }
 
 
 def shares(c: Compute) -> dict[str, float]:
     """Attention (self and cross, projections and products), MLP and ResNet shares of the FLOPs."""
     attention = sum(c.roles[r] for r in ATTENTION_ROLES)
-    return {"attention": attention / c.total, "self_attention": (c.roles["self_attention.projections"]
-            + c.roles["self_attention.products"]) / c.total, "mlp": c.roles["mlp"] / c.total,
-            "resnet": c.roles["resnet"] / c.total}  # fmt: skip
+    return {
+        "attention": attention / c.total,
+        "self_attention": (c.roles["self_attention.projections"] + c.roles["self_attention.products"]) / c.total,
+        "mlp": c.roles["mlp"] / c.total,
+        "resnet": c.roles["resnet"] / c.total,
+    }
 
 
 def crossover_side(model, low: int = 64, high: int = 16384) -> int | None:
@@ -184,22 +236,44 @@ def format_compute(c: Compute) -> str:
         return f"{v / 1e9:,.2f}"
 
     rows = [[role, giga(v), f"{100 * v / c.total:.1f} %"] for role, v in c.roles.items() if v]
-    out = [format_table(["role", "GFLOPs", "share"], rows,
-                        title=f"{c.source}: FLOPs of one U-Net forward pass at {c.height}x{c.width}, batch {c.batch}, "
-                              f"{c.text_tokens} text tokens: {giga(c.total)} GFLOPs")]  # fmt: skip
+    out = [
+        format_table(
+            ["role", "GFLOPs", "share"],
+            rows,
+            title=f"{c.source}: FLOPs of one U-Net forward pass at {c.height}x{c.width}, batch {c.batch}, "
+            f"{c.text_tokens} text tokens: {giga(c.total)} GFLOPs",
+        )
+    ]
     level_rows = []
     for entry in c.levels:
         attention = sum(entry["roles"][r] for r in ATTENTION_ROLES)
         b = entry["attention_bytes"]
-        level_rows.append([entry["name"], "x".join(map(str, entry["grid"])) if entry["grid"] else "-", giga(entry["total"]),
-                           giga(attention), giga(entry["roles"]["mlp"]), giga(entry["roles"]["resnet"]),
-                           format_bytes(b["self_scores"]) if b else "-", format_bytes(b["cross_scores"]) if b else "-"])  # fmt: skip
-    out += ["", format_table(["level", "grid", "GFLOPs", "attention", "mlp", "resnet", f"self table ({c.dtype})",
-                              "cross table"], level_rows, title="By level (attention tables: one call, unfused)")]  # fmt: skip
+        level_rows.append(
+            [
+                entry["name"],
+                "x".join(map(str, entry["grid"])) if entry["grid"] else "-",
+                giga(entry["total"]),
+                giga(attention),
+                giga(entry["roles"]["mlp"]),
+                giga(entry["roles"]["resnet"]),
+                format_bytes(b["self_scores"]) if b else "-",
+                format_bytes(b["cross_scores"]) if b else "-",
+            ]
+        )
+    out += [
+        "",
+        format_table(
+            ["level", "grid", "GFLOPs", "attention", "mlp", "resnet", f"self table ({c.dtype})", "cross table"],
+            level_rows,
+            title="By level (attention tables: one call, unfused)",
+        ),
+    ]
     s = shares(c)
-    out.append(f"\nattention {100 * s['attention']:.1f} % (self-attention {100 * s['self_attention']:.1f} %), "
-               f"MLP {100 * s['mlp']:.1f} %, ResNet {100 * s['resnet']:.1f} % of the FLOPs. Not counted (as "
-               "FlopCounterMode does not count them): norms, softmax, activations, additions, upsampling.")
+    out.append(
+        f"\nattention {100 * s['attention']:.1f} % (self-attention {100 * s['self_attention']:.1f} %), "
+        f"MLP {100 * s['mlp']:.1f} %, ResNet {100 * s['resnet']:.1f} % of the FLOPs. Not counted (as "
+        "FlopCounterMode does not count them): norms, softmax, activations, additions, upsampling."
+    )
     return "\n".join(out)
 
 
@@ -214,15 +288,22 @@ def sweep(models=("sd15", "sd21", "sdxl", "minisd"), sides=SWEEP_SIDES) -> dict:
     out = {"sides": list(sides), "models": {}}
     for model in models:
         params = audit(model)
-        attention_params = sum(params.roles[r] for r in ("self_attention", "cross_attention.query",
-                                                         "cross_attention.key_value", "cross_attention.output"))  # fmt: skip
+        attention_params = sum(
+            params.roles[r]
+            for r in ("self_attention", "cross_attention.query", "cross_attention.key_value", "cross_attention.output")
+        )
         unet = meta_unet(model)
         factor = image_factor(dict(unet.config)) * 2 ** (len(unet.config.block_out_channels) - 1)
         rows = [{"side": side, **shares(compute(unet, side, side))} for side in sides if side % factor == 0]
-        out["models"][model] = {"parameters": {"attention": attention_params / params.total,
-                                               "mlp": params.roles["mlp"] / params.total,
-                                               "resnet": params.roles["resnet"] / params.total},
-                                "flops": rows, "self_attention_passes_mlp_at": crossover_side(unet)}  # fmt: skip
+        out["models"][model] = {
+            "parameters": {
+                "attention": attention_params / params.total,
+                "mlp": params.roles["mlp"] / params.total,
+                "resnet": params.roles["resnet"] / params.total,
+            },
+            "flops": rows,
+            "self_attention_passes_mlp_at": crossover_side(unet),
+        }
     return out
 
 
@@ -230,17 +311,41 @@ def format_sweep(s: dict) -> str:
     rows = []
     for model, m in s["models"].items():
         p = m["parameters"]
-        rows.append([model, "parameters", f"{100 * p['attention']:.1f} %", "-", f"{100 * p['mlp']:.1f} %",
-                     f"{100 * p['resnet']:.1f} %"])  # fmt: skip
+        rows.append(
+            [
+                model,
+                "parameters",
+                f"{100 * p['attention']:.1f} %",
+                "-",
+                f"{100 * p['mlp']:.1f} %",
+                f"{100 * p['resnet']:.1f} %",
+            ]
+        )
         for r in m["flops"]:
-            rows.append(["", f"FLOPs at {r['side']} px", f"{100 * r['attention']:.1f} %",
-                         f"{100 * r['self_attention']:.1f} %", f"{100 * r['mlp']:.1f} %", f"{100 * r['resnet']:.1f} %"])
-    out = [format_table(["model", "share of", "attention", "self-attn.", "mlp", "resnet"], rows,
-                        title="Attention, MLP and ResNet shares of parameters and of one forward pass's FLOPs")]  # fmt: skip
+            rows.append(
+                [
+                    "",
+                    f"FLOPs at {r['side']} px",
+                    f"{100 * r['attention']:.1f} %",
+                    f"{100 * r['self_attention']:.1f} %",
+                    f"{100 * r['mlp']:.1f} %",
+                    f"{100 * r['resnet']:.1f} %",
+                ]
+            )
+    out = [
+        format_table(
+            ["model", "share of", "attention", "self-attn.", "mlp", "resnet"],
+            rows,
+            title="Attention, MLP and ResNet shares of parameters and of one forward pass's FLOPs",
+        )
+    ]
     for model, m in s["models"].items():
         side = m["self_attention_passes_mlp_at"]
-        out.append(f"{model}: self-attention's FLOPs pass the MLP's at {side:,} px" if side else
-                   f"{model}: self-attention's FLOPs stay below the MLP's up to 16,384 px")  # fmt: skip
+        out.append(
+            f"{model}: self-attention's FLOPs pass the MLP's at {side:,} px"
+            if side
+            else f"{model}: self-attention's FLOPs stay below the MLP's up to 16,384 px"
+        )
     return "\n".join(out)
 
 
@@ -257,8 +362,12 @@ def plot_sweep(s: dict, path) -> None:
     for ax, model in zip(axes[0], models):
         m = s["models"][model]
         sides = [r["side"] for r in m["flops"]]
-        for key, colour in (("attention", "tab:blue"), ("self_attention", "tab:cyan"), ("mlp", "tab:orange"),
-                            ("resnet", "tab:green")):  # fmt: skip
+        for key, colour in (
+            ("attention", "tab:blue"),
+            ("self_attention", "tab:cyan"),
+            ("mlp", "tab:orange"),
+            ("resnet", "tab:green"),
+        ):
             ax.plot(sides, [100 * r[key] for r in m["flops"]], "o-", color=colour, label=key.replace("_", "-"), ms=3)
             if key in m["parameters"]:
                 ax.axhline(100 * m["parameters"][key], color=colour, ls=":", lw=1)

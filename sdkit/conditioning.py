@@ -36,8 +36,10 @@ def synthetic_conditionings(width: int, tokens: int = 77, seed: int = 0) -> Cond
     generator = torch.Generator().manual_seed(seed)
     multi = torch.randn(1, tokens, width, generator=generator)
     single = multi[:, :1]
-    return Conditioning({"single": single, "repeated": single.repeat(1, tokens, 1), "multi": multi},
-                        f"{tokens} synthetic token vectors (seed {seed}; no text encoder given)")  # fmt: skip
+    return Conditioning(
+        {"single": single, "repeated": single.repeat(1, tokens, 1), "multi": multi},
+        f"{tokens} synthetic token vectors (seed {seed}; no text encoder given)",
+    )
 
 
 def prompt_conditionings(encoder: TextEncoder, prompt: str) -> Conditioning:
@@ -50,8 +52,13 @@ def prompt_conditionings(encoder: TextEncoder, prompt: str) -> Conditioning:
     if not words:
         raise SdkitError("the prompt has no words to compare (it is empty)")
     single = states[:, eos : eos + 1]
-    cases = {"single": single, "repeated": single.repeat(1, states.shape[1], 1), "multi": states,
-             "bos_only": states[:, :1], "words_only": states[:, words]}  # fmt: skip
+    cases = {
+        "single": single,
+        "repeated": single.repeat(1, states.shape[1], 1),
+        "multi": states,
+        "bos_only": states[:, :1],
+        "words_only": states[:, words],
+    }
     positions = {"multi": list(range(states.shape[1])), "bos_only": [0], "words_only": words}
     return Conditioning(cases, f"{encoder.source} ({encoder.layer} layer) for {prompt!r}", roles, positions)
 
@@ -67,16 +74,24 @@ class Comparison:
     note: str = ""  # e.g. that the weights are random
 
     def to_json(self) -> dict:
-        return {"unet": self.unet, "note": self.note, "conditioning": self.conditioning,
-                "latent_size": list(self.latent_size), "timestep": self.timestep, "cases": self.cases}  # fmt: skip
+        return {
+            "unet": self.unet,
+            "note": self.note,
+            "conditioning": self.conditioning,
+            "latent_size": list(self.latent_size),
+            "timestep": self.timestep,
+            "cases": self.cases,
+        }
 
 
 def check_width(unet, conditioning: Conditioning) -> None:
     width = unet.config.cross_attention_dim
     for states in conditioning.cases.values():
         if states.shape[-1] != width:
-            raise SdkitError(f"text states are {states.shape[-1]} wide but the U-Net's cross-attention reads "
-                             f"{width}; an adapter can map one to the other (sdkit adapter)")  # fmt: skip
+            raise SdkitError(
+                f"text states are {states.shape[-1]} wide but the U-Net's cross-attention reads "
+                f"{width}; an adapter can map one to the other (sdkit adapter)"
+            )
 
 
 MAPS_FILE = "maps.json"  # in a maps folder: the words and their pictures
@@ -103,8 +118,14 @@ def predicted_forward_bytes(unet, latent_size: tuple[int, int], tokens: int = 77
     return weights + 2 * (skips + working + tables + map_bytes) + RUNTIME_BYTES
 
 
-def preflight(unet, latent_size: tuple[int, int] | None, device: str, tokens: int = 77, maps: bool = False,
-              budget: int | None = None) -> None:  # fmt: skip
+def preflight(
+    unet,
+    latent_size: tuple[int, int] | None,
+    device: str,
+    tokens: int = 77,
+    maps: bool = False,
+    budget: int | None = None,
+) -> None:
     """Refuse, with one line, a traced forward pass that would not fit in the device's free memory."""
     from .common import available_memory, format_bytes
 
@@ -114,24 +135,37 @@ def preflight(unet, latent_size: tuple[int, int] | None, device: str, tokens: in
     if budget is None:
         budget = torch.cuda.mem_get_info(torch.device(device))[0] if device.startswith("cuda") else available_memory()
     if need > budget:
-        raise SdkitError(f"a forward pass at latent {latent_size[0]}x{latent_size[1]} needs about {format_bytes(need)}; "
-                         f"{device} has {format_bytes(budget)} free (choose a smaller --latent-size)")  # fmt: skip
+        raise SdkitError(
+            f"a forward pass at latent {latent_size[0]}x{latent_size[1]} needs about {format_bytes(need)}; "
+            f"{device} has {format_bytes(budget)} free (choose a smaller --latent-size)"
+        )
 
 
-def compare_conditionings(unet, conditioning: Conditioning, latent_size: tuple[int, int] | None = None,
-                          timestep: int = 500, seed: int = 0, maps: bool = False,
-                          map_sides: tuple[int, ...] | None = None, unet_name: str = "unet", note: str = "",
-                          progress=None) -> Comparison:  # fmt: skip
+def compare_conditionings(
+    unet,
+    conditioning: Conditioning,
+    latent_size: tuple[int, int] | None = None,
+    timestep: int = 500,
+    seed: int = 0,
+    maps: bool = False,
+    map_sides: tuple[int, ...] | None = None,
+    unet_name: str = "unet",
+    note: str = "",
+    progress=None,
+) -> Comparison:
     """Run the same U-Net, latent and timestep under each conditioning and trace attn2."""
     check_width(unet, conditioning)
     side = unet.config.sample_size
     latent_size = tuple(latent_size or (side, side))
     if maps and map_sides is not None:
-        heights = sorted({halved(*latent_size, depth)[0] for depth in range(len(unet.config.block_out_channels))},
-                         reverse=True)  # fmt: skip
+        heights = sorted(
+            {halved(*latent_size, depth)[0] for depth in range(len(unet.config.block_out_channels))}, reverse=True
+        )
         if not set(map_sides) & set(heights):
-            raise SdkitError(f"no level of this U-Net has a grid side in {', '.join(map(str, map_sides))} at latent "
-                             f"{latent_size[0]}x{latent_size[1]}; its levels are {', '.join(map(str, heights))} high")  # fmt: skip
+            raise SdkitError(
+                f"no level of this U-Net has a grid side in {', '.join(map(str, map_sides))} at latent "
+                f"{latent_size[0]}x{latent_size[1]}; its levels are {', '.join(map(str, heights))} high"
+            )
     param = next(unet.parameters())
     generator = torch.Generator().manual_seed(seed)
     latent = torch.randn(1, unet.config.in_channels, *latent_size, generator=generator).to(param.device, param.dtype)
@@ -142,8 +176,9 @@ def compare_conditionings(unet, conditioning: Conditioning, latent_size: tuple[i
             try:
                 unet(latent, timestep, encoder_hidden_states=states.to(param.device, param.dtype))
             except (RuntimeError, ValueError, TypeError, IndexError) as e:  # a config diffusers built but cannot run
-                raise SdkitError(f"{unet_name}: the U-Net fails on a forward pass ({first_line(e)[:160]}); "
-                                 "check its config") from None  # fmt: skip
+                raise SdkitError(
+                    f"{unet_name}: the U-Net fails on a forward pass ({first_line(e)[:160]}); check its config"
+                ) from None
         layers = trace.summary()
         cases[name] = {"tokens": states.shape[1], "layers": layers, "overall": _overall(layers)}
         if conditioning.roles is not None and name in conditioning.positions:
@@ -160,9 +195,14 @@ def _overall(layers: dict[str, dict]) -> dict:
     n = len(layers)
     mass = torch.tensor([v["token_mass"] for v in layers.values()]).mean(0)
     entropy = sum(v["entropy"] for v in layers.values()) / n
-    return {"spatial_spread": sum(spreads) / n, "spatial_spread_min": min(spreads),
-            "spatial_spread_max": max(spreads), "entropy": entropy, "effective_tokens": math.exp(entropy),
-            "token_mass": mass.tolist()}  # fmt: skip
+    return {
+        "spatial_spread": sum(spreads) / n,
+        "spatial_spread_min": min(spreads),
+        "spatial_spread_max": max(spreads),
+        "entropy": entropy,
+        "effective_tokens": math.exp(entropy),
+        "token_mass": mass.tolist(),
+    }
 
 
 def _mass_by_role(mass: list[float], conditioning: Conditioning, case: str) -> dict:
@@ -173,8 +213,9 @@ def _mass_by_role(mass: list[float], conditioning: Conditioning, case: str) -> d
     by_position = dict(zip(positions, mass))
     for position, m in by_position.items():
         by_role[roles.roles[position]] = by_role.get(roles.roles[position], 0.0) + m
-    words = [{"word": word, "positions": ps, "mass": sum(by_position.get(p, 0.0) for p in ps)}
-             for word, ps in roles.words]  # fmt: skip
+    words = [
+        {"word": word, "positions": ps, "mass": sum(by_position.get(p, 0.0) for p in ps)} for word, ps in roles.words
+    ]
     return {"mass_by_role": by_role, "mass_by_word": words}
 
 
@@ -191,22 +232,55 @@ def _spread(value: float) -> str:
 def format_comparison(c: Comparison) -> str:
     names = list(c.cases)
     layers = list(next(iter(c.cases.values()))["layers"])
-    rows = [[layer, "x".join(map(str, c.cases[names[0]]["layers"][layer]["grid"] or ["?"])),
-             *(_spread(c.cases[n]["layers"][layer]["spatial_spread"]) for n in names)] for layer in layers]  # fmt: skip
-    out = [f"U-Net: {c.unet}; latent {c.latent_size[0]}x{c.latent_size[1]}, timestep {c.timestep}",
-           *([f"  ({c.note})"] if c.note else []), f"Text: {c.conditioning}", ""]  # fmt: skip
-    out.append(format_table(["layer (as in the API)", "grid", *names], rows,
-                            title="Spatial spread of the cross-attention output, ||O - mean_cells O|| / ||O||\n"
-                                  f"(0: every cell receives the same vector; ≈0: below {FLOAT_NOISE:g}, rounding)"))  # fmt: skip
-    rows = [[n, v["tokens"], _spread(v["overall"]["spatial_spread"]), _spread(v["overall"]["spatial_spread_min"]),
-             _spread(v["overall"]["spatial_spread_max"]), v["overall"]["entropy"], v["overall"]["effective_tokens"]]
-            for n, v in c.cases.items()]  # fmt: skip
-    out += ["", format_table(["case", "tokens", "spread", "min", "max", "entropy", "eff. tokens"], rows,
-                             title="Overall (mean over layers; entropy in nats per cell, eff. tokens = exp(entropy))")]  # fmt: skip
+    rows = [
+        [
+            layer,
+            "x".join(map(str, c.cases[names[0]]["layers"][layer]["grid"] or ["?"])),
+            *(_spread(c.cases[n]["layers"][layer]["spatial_spread"]) for n in names),
+        ]
+        for layer in layers
+    ]
+    out = [
+        f"U-Net: {c.unet}; latent {c.latent_size[0]}x{c.latent_size[1]}, timestep {c.timestep}",
+        *([f"  ({c.note})"] if c.note else []),
+        f"Text: {c.conditioning}",
+        "",
+    ]
+    out.append(
+        format_table(
+            ["layer (as in the API)", "grid", *names],
+            rows,
+            title="Spatial spread of the cross-attention output, ||O - mean_cells O|| / ||O||\n"
+            f"(0: every cell receives the same vector; ≈0: below {FLOAT_NOISE:g}, rounding)",
+        )
+    )
+    rows = [
+        [
+            n,
+            v["tokens"],
+            _spread(v["overall"]["spatial_spread"]),
+            _spread(v["overall"]["spatial_spread_min"]),
+            _spread(v["overall"]["spatial_spread_max"]),
+            v["overall"]["entropy"],
+            v["overall"]["effective_tokens"],
+        ]
+        for n, v in c.cases.items()
+    ]
+    out += [
+        "",
+        format_table(
+            ["case", "tokens", "spread", "min", "max", "entropy", "eff. tokens"],
+            rows,
+            title="Overall (mean over layers; entropy in nats per cell, eff. tokens = exp(entropy))",
+        ),
+    ]
     with_roles = [n for n, v in c.cases.items() if "mass_by_role" in v]
     if with_roles:
         rows = [[n, *(f"{100 * c.cases[n]['mass_by_role'].get(r, 0.0):.1f} %" for r in ROLES)] for n in with_roles]
-        out += ["", format_table(["case", *ROLES], rows, title="Attention mass by token role (mean over cells, heads, layers)")]
+        out += [
+            "",
+            format_table(["case", *ROLES], rows, title="Attention mass by token role (mean over cells, heads, layers)"),
+        ]
         words = c.cases["multi"]["mass_by_word"]
         rows = [[w["word"], len(w["positions"]), f"{100 * w['mass']:.2f} %"] for w in words]
         out += ["", format_table(["word", "pieces", "mass"], rows, title="Attention mass per word (multi)")]
@@ -218,12 +292,15 @@ def conclusion(c: Comparison) -> str:
     """One line: does one token (or one repeated) give every cell the same vector, and many not?"""
     flat = [n for n, v in c.cases.items() if v["overall"]["spatial_spread_max"] < FLOAT_NOISE]
     varied = [n for n, v in c.cases.items() if v["overall"]["spatial_spread_min"] >= FLOAT_NOISE]
-    return (f"Every cell receives the same vector under {', '.join(flat) or 'no case'};\n"
-            f"cells read different things under {', '.join(varied) or 'no case'}.")
+    return (
+        f"Every cell receives the same vector under {', '.join(flat) or 'no case'};\n"
+        f"cells read different things under {', '.join(varied) or 'no case'}."
+    )
 
 
-def write_maps(c: Comparison, conditioning: Conditioning, folder, shared_scale: bool = False,
-               vae_factor: int = 8) -> list[Path]:  # fmt: skip
+def write_maps(
+    c: Comparison, conditioning: Conditioning, folder, shared_scale: bool = False, vae_factor: int = 8
+) -> list[Path]:
     """One PNG heatmap per word (upsampled to the image) and an overview grid; returns the paths."""
     import matplotlib
 
@@ -238,8 +315,10 @@ def write_maps(c: Comparison, conditioning: Conditioning, folder, shared_scale: 
     else:  # synthetic tokens have no words: show the first positions
         named = [(f"token {p}", [p]) for p in range(min(8, c.maps.shape[0]))]
     size = (c.latent_size[0] * vae_factor, c.latent_size[1] * vae_factor)
-    images = [F.interpolate(c.maps[ps].sum(0)[None, None], size=size, mode="bilinear", align_corners=False)[0, 0]
-              for _, ps in named]  # fmt: skip
+    images = [
+        F.interpolate(c.maps[ps].sum(0)[None, None], size=size, mode="bilinear", align_corners=False)[0, 0]
+        for _, ps in named
+    ]
     # A shared scale starts at 0 so maps compare; an own scale stretches each map to show its shape.
     vmin, vmax = (0.0, max(float(im.max()) for im in images)) if shared_scale else (None, None)
     folder = Path(folder)
@@ -261,11 +340,15 @@ def write_maps(c: Comparison, conditioning: Conditioning, folder, shared_scale: 
             shown = ax.imshow(image.numpy(), cmap="inferno", vmin=vmin, vmax=vmax)
             ax.set_title(word, fontsize=9)
             fig.colorbar(shown, ax=ax, fraction=0.046, pad=0.02).ax.tick_params(labelsize=6)
-        fig.suptitle(f"Cross-attention per word ({c.unet}, {'shared' if shared_scale else 'own'} colour scale)", fontsize=10)
+        fig.suptitle(
+            f"Cross-attention per word ({c.unet}, {'shared' if shared_scale else 'own'} colour scale)", fontsize=10
+        )
         names.append(save_figure(fig, tmp / "overview.png").name)
         # the list of the pictures, by word
-        write_json(tmp / MAPS_FILE, {"unet": c.unet, "words": [word for word, _ in named], "files": names,
-                                     "shared_scale": shared_scale})  # fmt: skip
+        write_json(
+            tmp / MAPS_FILE,
+            {"unet": c.unet, "words": [word for word, _ in named], "files": names, "shared_scale": shared_scale},
+        )
     return [folder / name for name in names]
 
 

@@ -53,16 +53,19 @@ class TextEncoder:
         return not _uses_attention_mask(self.model)
 
     def tokenize(self, prompts: list[str], padding: str = "max_length") -> dict:
-        return self.tokenizer(list(prompts), padding=padding, max_length=self.max_length, truncation=True,
-                              return_tensors="pt")  # fmt: skip
+        return self.tokenizer(
+            list(prompts), padding=padding, max_length=self.max_length, truncation=True, return_tensors="pt"
+        )
 
     def check_length(self, prompts: list[str]) -> None:
         """Refuse a prompt longer than the positions read: cut silently, it would not say what it says."""
         lengths = [len(ids) for ids in self.tokenizer(list(prompts))["input_ids"]]
         for i, length in enumerate(lengths):
             if length > self.max_length:
-                raise SdkitError(f"prompt {i + 1} ({prompts[i][:40]!r}...) is {length:,} tokens long; this model reads "
-                                 f"{self.max_length} (its special tokens included): shorten it")  # fmt: skip
+                raise SdkitError(
+                    f"prompt {i + 1} ({prompts[i][:40]!r}...) is {length:,} tokens long; this model reads "
+                    f"{self.max_length} (its special tokens included): shorten it"
+                )
 
     def real_mask(self, prompts: list[str]) -> torch.Tensor:
         """(batch, max_length) bool: the positions that hold a token (BOS, words, EOS), not padding."""
@@ -79,8 +82,11 @@ class TextEncoder:
             out = self.model(tokens["input_ids"].to(device), output_hidden_states=self.layer != "last")
         else:  # padding is masked out: encode to the longest prompt, then zero-fill
             tokens = self.tokenize(prompts, padding="longest")
-            out = self.model(tokens["input_ids"].to(device), attention_mask=tokens["attention_mask"].to(device),
-                             output_hidden_states=self.layer != "last")  # fmt: skip
+            out = self.model(
+                tokens["input_ids"].to(device),
+                attention_mask=tokens["attention_mask"].to(device),
+                output_hidden_states=self.layer != "last",
+            )
         if self.layer == "last":
             states = out.last_hidden_state
         else:
@@ -91,8 +97,10 @@ class TextEncoder:
             if final_norm is not None:
                 states = final_norm(states)
             elif self.model.config.model_type not in POST_NORM_ENCODERS:
-                raise SdkitError(f"{self.source}: layer 'penultimate' needs a CLIP-style final_layer_norm or a "
-                                 f"post-norm encoder ({', '.join(POST_NORM_ENCODERS)}), not {self.model.config.model_type}")  # fmt: skip
+                raise SdkitError(
+                    f"{self.source}: layer 'penultimate' needs a CLIP-style final_layer_norm or a "
+                    f"post-norm encoder ({', '.join(POST_NORM_ENCODERS)}), not {self.model.config.model_type}"
+                )
         if not self.pads_with_states:
             states = states * tokens["attention_mask"].to(device, states.dtype).unsqueeze(-1)
             states = F.pad(states, (0, 0, 0, self.max_length - states.shape[1]))
@@ -104,9 +112,14 @@ def _uses_attention_mask(model) -> bool:
     return model.config.model_type not in ("clip_text_model", "clip")
 
 
-def load_text_encoder(folder: str | os.PathLike, tokenizer_folder: str | os.PathLike | None = None,
-                      layer: str = "last", device: str = "cpu", context_length: int = 77,
-                      allow_pickle: bool = False) -> TextEncoder:  # fmt: skip
+def load_text_encoder(
+    folder: str | os.PathLike,
+    tokenizer_folder: str | os.PathLike | None = None,
+    layer: str = "last",
+    device: str = "cpu",
+    context_length: int = 77,
+    allow_pickle: bool = False,
+) -> TextEncoder:
     """A text encoder from a local folder: an SD pipeline folder (text_encoder/ + tokenizer/) or a
     model folder holding both. Weights are read from safetensors; pickle weights (pytorch_model.bin)
     only with allow_pickle, and then with torch.load(weights_only=True)."""
@@ -120,21 +133,27 @@ def load_text_encoder(folder: str | os.PathLike, tokenizer_folder: str | os.Path
     if not folder.is_dir():
         raise SdkitError(f"{folder}: no such folder (a text encoder is a local transformers folder)")
     model_dir = folder / "text_encoder" if (folder / "text_encoder" / "config.json").is_file() else folder
-    tokenizer_dir = Path(tokenizer_folder) if tokenizer_folder else (
-        folder / "tokenizer" if (folder / "tokenizer").is_dir() else model_dir)  # fmt: skip
+    tokenizer_dir = (
+        Path(tokenizer_folder)
+        if tokenizer_folder
+        else (folder / "tokenizer" if (folder / "tokenizer").is_dir() else model_dir)
+    )
     if not (model_dir / "config.json").is_file():
         raise SdkitError(f"{folder}: no config.json here or in text_encoder/")
     if not any(model_dir.glob("*.safetensors")):
         if not allow_pickle:
-            raise SdkitError(f"{model_dir}: no safetensors weights here; pickle weights can run code when loaded: "
-                             "convert them to .safetensors, or pass --allow-pickle (read with weights_only=True)")  # fmt: skip
+            raise SdkitError(
+                f"{model_dir}: no safetensors weights here; pickle weights can run code when loaded: "
+                "convert them to .safetensors, or pass --allow-pickle (read with weights_only=True)"
+            )
         if not any(model_dir.glob("*.bin")):
             raise SdkitError(f"{model_dir}: no text-encoder weights here (no .safetensors or .bin files)")
     try:
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
         cls = CLIPTextModel if config.model_type in ("clip_text_model", "clip") else AutoModel
-        model, info = cls.from_pretrained(model_dir, local_files_only=True, output_loading_info=True,
-                                          use_safetensors=None if allow_pickle else True)  # fmt: skip
+        model, info = cls.from_pretrained(
+            model_dir, local_files_only=True, output_loading_info=True, use_safetensors=None if allow_pickle else True
+        )
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     except Exception as e:  # transformers raises many types (a pickle weights_only refuses among them): all mean that
         raise SdkitError(f"{folder}: cannot load the text encoder ({str(e).strip().splitlines()[0]})") from None
@@ -144,10 +163,15 @@ def load_text_encoder(folder: str | os.PathLike, tokenizer_folder: str | os.Path
     missing = sorted(k for k in info["missing_keys"] if not k.startswith("pooler."))
     unexpected = sorted(info["unexpected_keys"])
     if missing or unexpected:
-        parts = [f"{len(keys)} {what} (first: {keys[0]})" for what, keys in
-                 (("missing", missing), ("unexpected", unexpected)) if keys]  # fmt: skip
-        raise SdkitError(f"{model_dir}: the weights do not match the model its config names ({config.model_type}): "
-                         f"{' and '.join(parts)}; a wrong or damaged text encoder")  # fmt: skip
+        parts = [
+            f"{len(keys)} {what} (first: {keys[0]})"
+            for what, keys in (("missing", missing), ("unexpected", unexpected))
+            if keys
+        ]
+        raise SdkitError(
+            f"{model_dir}: the weights do not match the model its config names ({config.model_type}): "
+            f"{' and '.join(parts)}; a wrong or damaged text encoder"
+        )
     model = model.to(device).eval()
     return TextEncoder(tokenizer, model, layer, str(folder), context_length)
 
@@ -172,7 +196,6 @@ def encoder_fingerprint(encoder: TextEncoder) -> dict:
         "layer": encoder.layer,
         "max_length": encoder.max_length,
     }
-
 
 
 # --- token roles --------------------------------------------------------------------------------
@@ -213,7 +236,9 @@ def token_roles(tokenizer, prompt: str, max_length: int) -> TokenRoles:
     for position, word in enumerate(word_ids):
         if word is not None:
             words.setdefault(word, []).append(position)
-    merged = [(tokenizer.decode([ids[p] for p in positions]).strip(), positions) for _, positions in sorted(words.items())]
+    merged = [
+        (tokenizer.decode([ids[p] for p in positions]).strip(), positions) for _, positions in sorted(words.items())
+    ]
     return TokenRoles(tokens, roles, merged)
 
 
@@ -250,10 +275,18 @@ def write_tiny_clip_tokenizer(folder: str | os.PathLike) -> Path:
         vocab[special] = len(vocab)
     (folder / "vocab.json").write_text(json.dumps(vocab))
     (folder / "merges.txt").write_text("#version: 0.2\n" + "\n".join(f"{a} {b}" for a, b in merges) + "\n")
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "CLIPTokenizer", "model_max_length": 77, "bos_token": "<|startoftext|>",
-        "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "unk_token": "<|endoftext|>",
-    }))  # fmt: skip
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "CLIPTokenizer",
+                "model_max_length": 77,
+                "bos_token": "<|startoftext|>",
+                "eos_token": "<|endoftext|>",
+                "pad_token": "<|endoftext|>",
+                "unk_token": "<|endoftext|>",
+            }
+        )
+    )
     return folder
 
 
@@ -266,11 +299,18 @@ def write_tiny_clip_encoder(folder: str | os.PathLike, width: int, seed: int = 0
     tokenizer = write_tiny_clip_tokenizer(folder / "tokenizer")
     vocab = json.loads((tokenizer / "vocab.json").read_text())
     config = CLIPTextConfig(
-        vocab_size=len(vocab), hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers,
-        num_attention_heads=max(1, width // 64), max_position_embeddings=77, projection_dim=width,
-        bos_token_id=vocab["<|startoftext|>"], eos_token_id=vocab["<|endoftext|>"],
-        pad_token_id=vocab["<|endoftext|>"], hidden_act="quick_gelu",
-    )  # fmt: skip
+        vocab_size=len(vocab),
+        hidden_size=width,
+        intermediate_size=2 * width,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, width // 64),
+        max_position_embeddings=77,
+        projection_dim=width,
+        bos_token_id=vocab["<|startoftext|>"],
+        eos_token_id=vocab["<|endoftext|>"],
+        pad_token_id=vocab["<|endoftext|>"],
+        hidden_act="quick_gelu",
+    )
     torch.manual_seed(seed)
     CLIPTextModel(config).save_pretrained(folder / "text_encoder")
     return folder
@@ -284,15 +324,22 @@ def write_tiny_bert_encoder(folder: str | os.PathLike, width: int, seed: int = 0
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    words = sorted(set(_TINY_WORDS) | set(
-        "circle square triangle cyan magenta top bottom left right center middle to there is has colored".split()))
+    words = sorted(
+        set(_TINY_WORDS)
+        | set("circle square triangle cyan magenta top bottom left right center middle to there is has colored".split())
+    )
     letters = list(string.ascii_lowercase + string.digits + ",.!?'-")
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *letters, *(f"##{c}" for c in letters), *words]
     (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
     BertTokenizer(str(folder / "vocab.txt"), model_max_length=512).save_pretrained(folder)
-    config = BertConfig(vocab_size=len(vocab), hidden_size=width, num_hidden_layers=layers,
-                        num_attention_heads=max(1, width // 32), intermediate_size=2 * width,
-                        max_position_embeddings=128)  # fmt: skip
+    config = BertConfig(
+        vocab_size=len(vocab),
+        hidden_size=width,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, width // 32),
+        intermediate_size=2 * width,
+        max_position_embeddings=128,
+    )
     torch.manual_seed(seed)
     BertModel(config).save_pretrained(folder)
     return folder

@@ -13,11 +13,21 @@ from pathlib import Path
 import torch
 from diffusers import UNet2DConditionModel
 
-from .checkpoints import ORIGINAL_UNET_PREFIX, PICKLE_SUFFIXES, CheckpointIndex, unet_folder, \
-    index_tensors, diffusers_to_original_names, index_checkpoint, infer_unet_config, resolve_local  # fmt: skip
+from .checkpoints import (
+    ORIGINAL_UNET_PREFIX,
+    PICKLE_SUFFIXES,
+    CheckpointIndex,
+    diffusers_to_original_names,
+    index_checkpoint,
+    index_tensors,
+    infer_unet_config,
+    resolve_local,
+    unet_folder,
+)
 from .common import SdkitError, atomic_path, first_line
 from .presets import PRESETS, build_unet, preset_config
 from .tensors import load_pickle, module_index, tensor_info
+
 
 def load_unet(
     spec: str | os.PathLike,
@@ -42,8 +52,9 @@ def load_unet(
             raise SdkitError(f"{unet_dir / 'config.json'}: cannot read it ({e})") from None
         _check_fits(_meta_unet(folder_config, str(unet_dir)), str(unet_dir))
         try:
-            unet = UNet2DConditionModel.from_pretrained(unet_dir, local_files_only=True,
-                                                        use_safetensors=None if allow_pickle else True)  # fmt: skip
+            unet = UNet2DConditionModel.from_pretrained(
+                unet_dir, local_files_only=True, use_safetensors=None if allow_pickle else True
+            )
         except Exception as e:  # diffusers raises many types for a folder it cannot load; all mean that
             raise SdkitError(f"{unet_dir}: cannot load the U-Net ({first_line(e)})") from None
         if any(p.is_meta for p in unet.parameters()):
@@ -55,8 +66,9 @@ def load_unet(
         try:
             config = infer_unet_config(index.unet)
         except (KeyError, ValueError, IndexError) as e:
-            raise SdkitError(f"{path}: these U-Net tensors are not an architecture sdkit can build "
-                             f"(missing or odd {first_line(e)})") from None  # fmt: skip
+            raise SdkitError(
+                f"{path}: these U-Net tensors are not an architecture sdkit can build (missing or odd {first_line(e)})"
+            ) from None
     unet = _meta_unet(config, str(path))
     expected = module_index(unet)
     if set(expected) != set(tensors) or any(expected[n].shape != tuple(t.shape) for n, t in tensors.items()):
@@ -78,24 +90,36 @@ def load_unet(
 
 def _check_finite(unet: UNet2DConditionModel, source: str) -> None:
     """Weights holding NaN or infinity make every output NaN: refuse them rather than report NaN tables."""
-    bad = [name for name, tensor in unet.state_dict().items() if tensor.is_floating_point() and not tensor.isfinite().all()]
+    bad = [
+        name for name, tensor in unet.state_dict().items() if tensor.is_floating_point() and not tensor.isfinite().all()
+    ]
     if bad:
         raise SdkitError(f"{source}: {len(bad)} U-Net tensors hold NaN or infinite values (e.g. {bad[0]!r})")
 
 
 # Far past any real U-Net; a config beyond them would take hours to build, not fail.
-STRUCTURE_LIMITS = {"layers_per_block": 64, "transformer_layers_per_block": 64, "block_out_channels": 16,
-                    "down_block_types": 16, "up_block_types": 16}  # fmt: skip
+STRUCTURE_LIMITS = {
+    "layers_per_block": 64,
+    "transformer_layers_per_block": 64,
+    "block_out_channels": 16,
+    "down_block_types": 16,
+    "up_block_types": 16,
+}
 
 
 def _check_structure(config: dict, source: str) -> None:
     for key, limit in STRUCTURE_LIMITS.items():
         value = config.get(key)
         values = value if isinstance(value, (list, tuple)) else [value]
-        counts = [len(value)] if isinstance(value, (list, tuple)) and key.endswith(("channels", "types")) else [
-            v for v in values if isinstance(v, int) and not isinstance(v, bool)]  # fmt: skip
+        counts = (
+            [len(value)]
+            if isinstance(value, (list, tuple)) and key.endswith(("channels", "types"))
+            else [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+        )
         if any(v > limit for v in counts):
-            raise SdkitError(f"{source}: config {key} = {str(value)[:60]} is past anything sdkit builds (at most {limit})")
+            raise SdkitError(
+                f"{source}: config {key} = {str(value)[:60]} is past anything sdkit builds (at most {limit})"
+            )
 
 
 def _meta_unet(config: dict, source: str) -> UNet2DConditionModel:

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from .common import format_table
-from .trace import CrossAttentionTrace
 from .encoders import ROLES, TokenRoles, token_roles
+from .trace import CrossAttentionTrace
 
 DAAM_TAU = 0.4
 TAUS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
@@ -112,12 +112,22 @@ def _noised(pipe, pixels: torch.Tensor, t: int, seed: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def localize(pipe, images: np.ndarray, scenes, masks: list[list[np.ndarray]], timesteps=TIMESTEPS, taus=TAUS,
-             model_name: str = "model", source: str = "generator", seed: int = 0, batch: int = 32,
-             progress=None) -> Localization:  # fmt: skip
+def localize(
+    pipe,
+    images: np.ndarray,
+    scenes,
+    masks: list[list[np.ndarray]],
+    timesteps=TIMESTEPS,
+    taus=TAUS,
+    model_name: str = "model",
+    source: str = "generator",
+    seed: int = 0,
+    batch: int = 32,
+    progress=None,
+) -> Localization:
     """Score each colour and shape word's attention map against its object's mask.
 
-    images: (n, H, W, 3) in [0, 1]; masks[i][k]: the mask of scene i's object k (None if unknown).
+    images: (n, H, W, 3) in [0, 1]; `masks[i][k]`: the mask of scene i's object k (None if unknown).
     """
     from .minisd.data import to_model
 
@@ -145,7 +155,10 @@ def localize(pipe, images: np.ndarray, scenes, masks: list[list[np.ndarray]], ti
             for k, w in enumerate(words[i]):
                 mask = masks[first + i][w["object"]]
                 if mask is not None and mask.any():
-                    baselines[i, k] = {"centre prior": _score(prior, mask, taus), "uniform": _score(uniform, mask, taus)}
+                    baselines[i, k] = {
+                        "centre prior": _score(prior, mask, taus),
+                        "uniform": _score(uniform, mask, taus),
+                    }
         for t in timesteps:
             with CrossAttentionTrace(pipe.unet, maps=True, by_timestep=True) as trace:
                 pipe.unet(pipe.model_input(_noised(pipe, pixels, t, seed + t)), t, encoder_hidden_states=states)
@@ -181,8 +194,12 @@ def localize(pipe, images: np.ndarray, scenes, masks: list[list[np.ndarray]], ti
     def summarise(entries):
         ious = np.array([e[0] for e in entries])
         aucs = np.array([e[1] for e in entries], dtype=float)
-        return {"n": len(entries), "iou": float(ious[:, tau_index].mean()),
-                "iou_sweep": ious.mean(0).tolist(), "auc": float(np.nanmean(aucs))}  # fmt: skip
+        return {
+            "n": len(entries),
+            "iou": float(ious[:, tau_index].mean()),
+            "iou_sweep": ious.mean(0).tolist(),
+            "auc": float(np.nanmean(aucs)),
+        }
 
     resolutions = sorted({g for g in grids.values() if g}, reverse=True)
     rows = []
@@ -203,11 +220,26 @@ def localize(pipe, images: np.ndarray, scenes, masks: list[list[np.ndarray]], ti
         by_layer.append(row)
     scored = [r for r in rows if r["word"] and r["resolution"] != "all layers"]
     best = max(scored, key=lambda r: r["word"]["auc"]) if scored else {}
-    best = {"resolution": best.get("resolution"), "timestep": best.get("timestep"),
-            "auc": best["word"]["auc"] if best else None, "iou": best["word"]["iou"] if best else None}  # fmt: skip
+    best = {
+        "resolution": best.get("resolution"),
+        "timestep": best.get("timestep"),
+        "auc": best["word"]["auc"] if best else None,
+        "iou": best["word"]["iou"] if best else None,
+    }
     mass = {role: role_mass[role] / max(role_count, 1) for role in ROLES}
-    return Localization(model_name, source, len(images), list(timesteps), list(taus), rows, by_layer, mass, best,
-                        time.perf_counter() - start, examples=examples)  # fmt: skip
+    return Localization(
+        model_name,
+        source,
+        len(images),
+        list(timesteps),
+        list(taus),
+        rows,
+        by_layer,
+        mass,
+        best,
+        time.perf_counter() - start,
+        examples=examples,
+    )
 
 
 def generator_set(count: int, side: int, seed: int = 4321):
@@ -232,8 +264,9 @@ def generated_set(pipe, count: int, guidance_scale: float = 4.0, steps: int = 25
     masks = []
     for image, scene in zip(out.images, scenes):
         found = find_objects(image, max_objects=4)
-        masks.append([next((f.mask for f in found if (f.colour, f.shape) == (o.colour, o.shape)), None)
-                      for o in scene.objects])  # fmt: skip
+        masks.append(
+            [next((f.mask for f in found if (f.colour, f.shape) == (o.colour, o.shape)), None) for o in scene.objects]
+        )
     return out.images, scenes, masks
 
 
@@ -241,14 +274,33 @@ def format_localization(r: Localization) -> str:
     def cell(entry, key):
         return "-" if not entry else f"{entry[key]:.3f}"
 
-    rows = [[r0["resolution"] if isinstance(r0["resolution"], str) else f"{r0['resolution']}x{r0['resolution']}",
-             r0["timestep"], (r0["word"] or {}).get("n", 0), *(cell(r0[s], "iou") for s in SOURCES),
-             *(cell(r0[s], "auc") for s in SOURCES[:3])] for r0 in r.rows]  # fmt: skip
-    headers = ["layers", "t", "n", "IoU word", "IoU other", "IoU centre", "IoU unif.", "AUC word", "AUC other",
-               "AUC centre"]  # fmt: skip
-    title = (f"{r.model}, {r.count} {r.images} images:\ncolour and shape word maps against their object's mask "
-             f"(IoU at tau = {DAAM_TAU}; AUC 0.5 = chance;\nn = word maps scored: colour and shape words of "
-             f"objects the judge found)")  # fmt: skip
+    rows = [
+        [
+            r0["resolution"] if isinstance(r0["resolution"], str) else f"{r0['resolution']}x{r0['resolution']}",
+            r0["timestep"],
+            (r0["word"] or {}).get("n", 0),
+            *(cell(r0[s], "iou") for s in SOURCES),
+            *(cell(r0[s], "auc") for s in SOURCES[:3]),
+        ]
+        for r0 in r.rows
+    ]
+    headers = [
+        "layers",
+        "t",
+        "n",
+        "IoU word",
+        "IoU other",
+        "IoU centre",
+        "IoU unif.",
+        "AUC word",
+        "AUC other",
+        "AUC centre",
+    ]
+    title = (
+        f"{r.model}, {r.count} {r.images} images:\ncolour and shape word maps against their object's mask "
+        f"(IoU at tau = {DAAM_TAU}; AUC 0.5 = chance;\nn = word maps scored: colour and shape words of "
+        f"objects the judge found)"
+    )
     out = [format_table(headers, rows, title=title)]
     if r.note:
         out.append(r.note)
@@ -258,12 +310,17 @@ def format_localization(r: Localization) -> str:
         baselines = {s: np.mean([x[s]["auc"] for x in whole if x[s]]) for s in SOURCES[1:3] if any(x[s] for x in whole)}
         iou_word = np.mean([x["word"]["iou"] for x in whole])
         iou_base = {s: np.mean([x[s]["iou"] for x in whole if x[s]]) for s in SOURCES[1:] if any(x[s] for x in whole)}
-        out.append(f"\nAll layers, mean over timesteps: word maps AUC {word:.3f} against "
-                   + ", ".join(f"{s} {v:.3f}" for s, v in baselines.items()) + ";")
+        out.append(
+            f"\nAll layers, mean over timesteps: word maps AUC {word:.3f} against "
+            + ", ".join(f"{s} {v:.3f}" for s, v in baselines.items())
+            + ";"
+        )
         out.append(f"  IoU {iou_word:.3f} against " + ", ".join(f"{s} {v:.3f}" for s, v in iou_base.items()) + ".")
     if r.best.get("resolution"):
-        out.append(f"Attention localises best at {r.best['resolution']}x{r.best['resolution']}, timestep "
-                   f"{r.best['timestep']} (AUC {r.best['auc']:.3f}, IoU {r.best['iou']:.3f}).")  # fmt: skip
+        out.append(
+            f"Attention localises best at {r.best['resolution']}x{r.best['resolution']}, timestep "
+            f"{r.best['timestep']} (AUC {r.best['auc']:.3f}, IoU {r.best['iou']:.3f})."
+        )
     layers = [x for x in r.by_layer if x["word"]]
     if layers:
         top = max(layers, key=lambda x: x["word"]["auc"])
@@ -272,11 +329,15 @@ def format_localization(r: Localization) -> str:
         out.append(f"  AUC {top['word']['auc']:.3f}, IoU {top['word']['iou']:.3f} (over timesteps).")
         if whole and word > top["word"]["auc"]:
             out.append("The mean over all layers localises better than any one layer.")
-    out.append("Attention mass (mean over cells, heads, layers, timesteps): "
-               + ", ".join(f"{role} {100 * m:.1f} %" for role, m in r.mass_by_role.items()))  # fmt: skip
+    out.append(
+        "Attention mass (mean over cells, heads, layers, timesteps): "
+        + ", ".join(f"{role} {100 * m:.1f} %" for role, m in r.mass_by_role.items())
+    )
     sweep = next((x["word"]["iou_sweep"] for x in whole), None)
     if sweep:
-        out.append("IoU of word maps (all layers) by tau: " + ", ".join(f"{t:g}: {v:.3f}" for t, v in zip(r.taus, sweep)))
+        out.append(
+            "IoU of word maps (all layers) by tau: " + ", ".join(f"{t:g}: {v:.3f}" for t, v in zip(r.taus, sweep))
+        )
     out.append(f"({r.seconds:.0f} s)")
     return "\n".join(out)
 
@@ -306,7 +367,9 @@ def draw_examples(r: Localization, path) -> bool:
         fig.colorbar(heat, ax=axes[1, c], fraction=0.046, pad=0.02).ax.tick_params(labelsize=5)
         for ax in axes[:, c]:
             ax.axis("off")
-    fig.suptitle(f"{r.model}: word attention maps (all layers) on {r.images} images; outline = the named "
-                 "object's mask", fontsize=8)  # fmt: skip
+    fig.suptitle(
+        f"{r.model}: word attention maps (all layers) on {r.images} images; outline = the named object's mask",
+        fontsize=8,
+    )
     save_figure(fig, path)
     return True

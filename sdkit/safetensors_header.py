@@ -21,10 +21,29 @@ from .common import SdkitError
 
 # Bits per element of every dtype safetensors 0.8 knows (sub-byte ones pack several per byte).
 DTYPE_BITS = {
-    "BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8,
-    "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
-    "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64,
-}  # fmt: skip
+    "BOOL": 8,
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+    "U8": 8,
+    "I8": 8,
+    "F8_E5M2": 8,
+    "F8_E4M3": 8,
+    "F8_E8M0": 8,
+    "F8_E4M3FNUZ": 8,
+    "F8_E5M2FNUZ": 8,
+    "I16": 16,
+    "U16": 16,
+    "F16": 16,
+    "BF16": 16,
+    "I32": 32,
+    "U32": 32,
+    "F32": 32,
+    "C64": 64,
+    "F64": 64,
+    "I64": 64,
+    "U64": 64,
+}
 MAX_HEADER_BYTES = 100_000_000  # safetensors refuses longer headers
 MAX_JSON_DEPTH = 127  # serde_json's recursion limit, counting the header object itself
 _USIZE_MAX = 2**64 - 1
@@ -121,24 +140,32 @@ def parse_header(raw: bytes, data_bytes: int, source: str = "file") -> dict[str,
         offsets = entry.get("data_offsets") if ok else None
         ok = ok and isinstance(offsets, list) and len(offsets) == 2 and all(_size(o) for o in offsets)
         if not ok:
-            raise SdkitError(f"{corrupt} (bad entry for tensor {name!r}: it needs a known dtype, a shape of "
-                             "non-negative integers and two integer data_offsets)")  # fmt: skip
+            raise SdkitError(
+                f"{corrupt} (bad entry for tensor {name!r}: it needs a known dtype, a shape of "
+                "non-negative integers and two integer data_offsets)"
+            )
         entries.append((tuple(offsets), name, TensorInfo(tuple(entry["shape"]), entry["dtype"])))
     end = 0
     for (begin, stop), name, info in sorted(entries, key=lambda e: e[0]):
         if begin != end or stop < begin:
-            raise SdkitError(f"{corrupt} (tensor {name!r} starts at byte {begin:,} of the data, not at {end:,}: "
-                             "offsets overlap or leave a gap)")  # fmt: skip
+            raise SdkitError(
+                f"{corrupt} (tensor {name!r} starts at byte {begin:,} of the data, not at {end:,}: "
+                "offsets overlap or leave a gap)"
+            )
         bits = info.numel * DTYPE_BITS[info.dtype]
         if info.numel > _USIZE_MAX or bits > _USIZE_MAX:
             raise SdkitError(f"{corrupt} (tensor {name!r}: shape {list(info.shape)} overflows 64 bits)")
         if bits % 8 or stop - begin != bits // 8:
-            raise SdkitError(f"{corrupt} (tensor {name!r}: {list(info.shape)} {info.dtype} does not take the "
-                             f"{stop - begin:,} bytes its offsets give)")  # fmt: skip
+            raise SdkitError(
+                f"{corrupt} (tensor {name!r}: {list(info.shape)} {info.dtype} does not take the "
+                f"{stop - begin:,} bytes its offsets give)"
+            )
         end = stop
     if end != data_bytes:
-        raise SdkitError(f"{source}: truncated or corrupt safetensors file (the header describes {end:,} bytes "
-                         f"of data, the file holds {data_bytes:,})")  # fmt: skip
+        raise SdkitError(
+            f"{source}: truncated or corrupt safetensors file (the header describes {end:,} bytes "
+            f"of data, the file holds {data_bytes:,})"
+        )
     return {name: info for _, name, info in entries}
 
 
@@ -157,11 +184,15 @@ def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, TensorIn
                 raise SdkitError(f"{path}: not a safetensors file (only {size} bytes)")
             (header_len,) = struct.unpack("<Q", head)
             if header_len > MAX_HEADER_BYTES:
-                raise SdkitError(f"{path}: not a safetensors file (header length {header_len:,} is over "
-                                 f"safetensors' limit of {MAX_HEADER_BYTES:,})")  # fmt: skip
+                raise SdkitError(
+                    f"{path}: not a safetensors file (header length {header_len:,} is over "
+                    f"safetensors' limit of {MAX_HEADER_BYTES:,})"
+                )
             if 8 + header_len > size:
-                raise SdkitError(f"{path}: not a safetensors file (header length {header_len:,} does not fit in "
-                                 f"a file of {size:,} bytes)")  # fmt: skip
+                raise SdkitError(
+                    f"{path}: not a safetensors file (header length {header_len:,} does not fit in "
+                    f"a file of {size:,} bytes)"
+                )
             raw = f.read(header_len)
     except PermissionError:
         raise SdkitError(f"{path}: cannot read this file (permission denied)") from None

@@ -100,9 +100,16 @@ def attention_levels(preset: str) -> tuple[list[dict], int]:
         if not name.endswith((".attn1", ".attn2")):
             continue
         depth = level_depth(parameter_level(name), len(config["block_out_channels"]))
-        entry = by_depth.setdefault(depth, {"depth": depth, "heads": module.heads,
-                                            "head_dim": module.inner_dim // module.heads, "layers": 0,
-                                            "cross_layers": 0})  # fmt: skip
+        entry = by_depth.setdefault(
+            depth,
+            {
+                "depth": depth,
+                "heads": module.heads,
+                "head_dim": module.inner_dim // module.heads,
+                "layers": 0,
+                "cross_layers": 0,
+            },
+        )
         entry["cross_layers" if name.endswith(".attn2") else "layers"] += 1
     return [by_depth[d] for d in sorted(by_depth)], image_factor(config)
 
@@ -112,8 +119,15 @@ def latent_grid(height: int, width: int, depth: int, factor: int = VAE_FACTOR) -
     return halved(height // factor, width // factor, depth)
 
 
-def score_tables(height: int = 512, width: int | None = None, preset: str = "sd15", dtype: str = "float16",
-                 batch: int = 1, cfg: bool = False, text_tokens: int = TEXT_TOKENS) -> ScoreTables:  # fmt: skip
+def score_tables(
+    height: int = 512,
+    width: int | None = None,
+    preset: str = "sd15",
+    dtype: str = "float16",
+    batch: int = 1,
+    cfg: bool = False,
+    text_tokens: int = TEXT_TOKENS,
+) -> ScoreTables:
     """Exact score-table sizes per self-attention level, for pixels, for cross-attention (cells x
     text tokens), and over a sweep of sizes with the requested aspect ratio."""
     width = height if width is None else width
@@ -155,24 +169,46 @@ def score_tables(height: int = 512, width: int | None = None, preset: str = "sd1
     for scale in SWEEP_SCALES:
         h, w = (max(factor, round(side * scale / factor) * factor) for side in (height, width))
         tokens = math.prod(latent_grid(h, w, finest_depth, factor))
-        sweep.append({
-            "scale": scale, "height": h, "width": w, "tokens": tokens, "entries_per_head": tokens**2,
-            "bytes_per_head": table_bytes(tokens, dtype),
-            "pixel_tokens": h * w, "pixel_bytes_per_head": table_bytes(h * w, dtype),
-            "cells_vs_requested": tokens / requested, "table_vs_requested": tokens**2 / requested**2,
-        })  # fmt: skip
+        sweep.append(
+            {
+                "scale": scale,
+                "height": h,
+                "width": w,
+                "tokens": tokens,
+                "entries_per_head": tokens**2,
+                "bytes_per_head": table_bytes(tokens, dtype),
+                "pixel_tokens": h * w,
+                "pixel_bytes_per_head": table_bytes(h * w, dtype),
+                "cells_vs_requested": tokens / requested,
+                "table_vs_requested": tokens**2 / requested**2,
+            }
+        )
     return ScoreTables(height, width, preset, dtype, batch, cfg, levels, pixel, cross, text_tokens, sweep)
 
 
 def format_score_tables(t: ScoreTables) -> str:
-    rows = [[lv.name, lv.tokens, lv.heads, lv.head_dim, lv.layers or "-", lv.entries_per_head,
-             format_bytes(lv.bytes_per_head), format_bytes(lv.bytes_all_heads)] for lv in [*t.levels, t.pixel]]  # fmt: skip
+    rows = [
+        [
+            lv.name,
+            lv.tokens,
+            lv.heads,
+            lv.head_dim,
+            lv.layers or "-",
+            lv.entries_per_head,
+            format_bytes(lv.bytes_per_head),
+            format_bytes(lv.bytes_all_heads),
+        ]
+        for lv in [*t.levels, t.pixel]
+    ]
     batch = f"batch {t.batch}" + (" x2 for classifier-free guidance" if t.cfg else "")
-    out = [format_table(
-        ["level", "tokens", "heads", "head dim", "layers", "scores per head", "per head", "all heads"], rows,
-        title=f"Self-attention score tables for a {t.height}x{t.width} image ({t.preset}, {t.dtype}, {batch};\n"
-              f"one layer; 'all heads' = heads x batch)",
-    )]  # fmt: skip
+    out = [
+        format_table(
+            ["level", "tokens", "heads", "head dim", "layers", "scores per head", "per head", "all heads"],
+            rows,
+            title=f"Self-attention score tables for a {t.height}x{t.width} image ({t.preset}, {t.dtype}, {batch};\n"
+            f"one layer; 'all heads' = heads x batch)",
+        )
+    ]
     finest = t.levels[0]
     out.append(
         f"\nPixel level vs the finest attention level: {t.pixel.tokens / finest.tokens:,.0f}x the cells, "
@@ -180,22 +216,51 @@ def format_score_tables(t: ScoreTables) -> str:
         f"({t.pixel.entries_per_head:,} vs {finest.entries_per_head:,})."
     )
     if t.cross:
-        rows = [[lv.name, lv.tokens, t.text_tokens, lv.heads, lv.layers or "-", lv.entries_per_head,
-                 format_bytes(lv.bytes_per_head), format_bytes(lv.bytes_all_heads)] for lv in t.cross]  # fmt: skip
-        out.append("\n" + format_table(
-            ["level", "cells", "text tokens", "heads", "layers", "scores per head", "per head", "all heads"], rows,
-            title=f"Cross-attention score tables (cells x {t.text_tokens} text tokens: linear in the cells,\nso "
-                  f"the pixel level costs {t.cross[-1].tokens // t.cross[0].tokens:,}x the latent, not "
-                  f"{t.pixel.entries_per_head // finest.entries_per_head:,}x)",
-        ))  # fmt: skip
-    rows = [[f"{s['height']}x{s['width']}", f"{s['scale']:g}x", s["tokens"], s["entries_per_head"],
-             format_bytes(s["bytes_per_head"]), f"{s['cells_vs_requested']:g}x", f"{s['table_vs_requested']:g}x",
-             format_bytes(s["pixel_bytes_per_head"])] for s in t.sweep]  # fmt: skip
-    out.append("\n" + format_table(
-        ["image", "sides", "tokens", "scores per head", "per head", "cells", "table", "pixel per head"], rows,
-        title=f"Size sweep at the requested aspect ratio (finest self-attention level; 'cells' and 'table' against "
-              f"{t.height}x{t.width}:\ndoubling the sides gives 4x the cells and 16x the table)",
-    ))  # fmt: skip
+        rows = [
+            [
+                lv.name,
+                lv.tokens,
+                t.text_tokens,
+                lv.heads,
+                lv.layers or "-",
+                lv.entries_per_head,
+                format_bytes(lv.bytes_per_head),
+                format_bytes(lv.bytes_all_heads),
+            ]
+            for lv in t.cross
+        ]
+        out.append(
+            "\n"
+            + format_table(
+                ["level", "cells", "text tokens", "heads", "layers", "scores per head", "per head", "all heads"],
+                rows,
+                title=f"Cross-attention score tables (cells x {t.text_tokens} text tokens: linear in the cells,\nso "
+                f"the pixel level costs {t.cross[-1].tokens // t.cross[0].tokens:,}x the latent, not "
+                f"{t.pixel.entries_per_head // finest.entries_per_head:,}x)",
+            )
+        )
+    rows = [
+        [
+            f"{s['height']}x{s['width']}",
+            f"{s['scale']:g}x",
+            s["tokens"],
+            s["entries_per_head"],
+            format_bytes(s["bytes_per_head"]),
+            f"{s['cells_vs_requested']:g}x",
+            f"{s['table_vs_requested']:g}x",
+            format_bytes(s["pixel_bytes_per_head"]),
+        ]
+        for s in t.sweep
+    ]
+    out.append(
+        "\n"
+        + format_table(
+            ["image", "sides", "tokens", "scores per head", "per head", "cells", "table", "pixel per head"],
+            rows,
+            title=f"Size sweep at the requested aspect ratio (finest self-attention level; 'cells' and 'table' against "
+            f"{t.height}x{t.width}:\ndoubling the sides gives 4x the cells and 16x the table)",
+        )
+    )
     return "\n".join(out)
 
 
@@ -326,13 +391,16 @@ def free_bytes(device: str) -> int:
 
 def _inputs(tokens: int, heads: int, head_dim: int, dtype: str, device: str, seed: int = 0):
     generator = torch.Generator(device="cpu").manual_seed(seed)
-    qkv = [torch.randn(1, heads, tokens, head_dim, generator=generator).to(device=device, dtype=DTYPES[dtype])
-           for _ in range(3)]  # fmt: skip
+    qkv = [
+        torch.randn(1, heads, tokens, head_dim, generator=generator).to(device=device, dtype=DTYPES[dtype])
+        for _ in range(3)
+    ]
     return qkv
 
 
-def _measure_here(implementation: str, tokens: int, heads: int, head_dim: int, dtype: str, device: str,
-                  rows: int, repeats: int) -> tuple[torch.Tensor, int, float]:  # fmt: skip
+def _measure_here(
+    implementation: str, tokens: int, heads: int, head_dim: int, dtype: str, device: str, rows: int, repeats: int
+) -> tuple[torch.Tensor, int, float]:
     """Run one implementation in this process: (output, peak bytes above baseline, median seconds).
 
     On CUDA the peak comes from the caching allocator's statistics; on the CPU it is the peak
@@ -388,9 +456,18 @@ def _child(args: dict, out_path: str) -> None:
     print(json.dumps({"peak": peak, "seconds": seconds}))
 
 
-def measure(tokens: int, heads: int = 1, head_dim: int = 40, dtype: str = "float32", device: str = "auto",
-            implementations=IMPLEMENTATIONS, chunk_budget: int = DEFAULT_CHUNK_BUDGET, budget: int | None = None,
-            repeats: int = 3, progress=None) -> list[Measurement]:  # fmt: skip
+def measure(
+    tokens: int,
+    heads: int = 1,
+    head_dim: int = 40,
+    dtype: str = "float32",
+    device: str = "auto",
+    implementations=IMPLEMENTATIONS,
+    chunk_budget: int = DEFAULT_CHUNK_BUDGET,
+    budget: int | None = None,
+    repeats: int = 3,
+    progress=None,
+) -> list[Measurement]:
     """Measure each implementation of one self-attention at `tokens` cells.
 
     Implementations whose predicted peak exceeds the free memory (or `budget`) are skipped with a
@@ -410,26 +487,50 @@ def measure(tokens: int, heads: int = 1, head_dim: int = 40, dtype: str = "float
     implementations = sorted(implementations, key=lambda name: name != "naive")
     rows = chunk_rows(tokens, heads, dtype, chunk_budget)
     cuda = device.startswith("cuda")
-    method = ("CUDA caching allocator: max_memory_allocated above the baseline" if cuda else
-              "peak resident set (VmHWM) of a fresh child process above its resident set before the inputs")  # fmt: skip
+    method = (
+        "CUDA caching allocator: max_memory_allocated above the baseline"
+        if cuda
+        else "peak resident set (VmHWM) of a fresh child process above its resident set before the inputs"
+    )
     results, reference = [], None
     with tempfile.TemporaryDirectory(prefix="sdkit-scoretable-") as tmp:
         for name in implementations:
-            m = Measurement(name, tokens, heads, head_dim, dtype, device,
-                            predicted_peak(name, tokens, heads, head_dim, dtype, rows),
-                            chunk_rows=rows if name == "chunked" else None, memory_method=method)  # fmt: skip
+            m = Measurement(
+                name,
+                tokens,
+                heads,
+                head_dim,
+                dtype,
+                device,
+                predicted_peak(name, tokens, heads, head_dim, dtype, rows),
+                chunk_rows=rows if name == "chunked" else None,
+                memory_method=method,
+            )
             available = free_bytes(device) if budget is None else budget
             if m.predicted_bytes > available:
-                where = f"this device has {format_bytes(available)} free" if budget is None else \
-                    f"the budget is {format_bytes(available)}"  # fmt: skip
-                m.skipped = (f"{name} attention at {tokens:,} tokens needs {format_bytes(m.predicted_bytes)} for "
-                             f"{heads} {dtype} head{'s' if heads > 1 else ''}; {where}")  # fmt: skip
+                where = (
+                    f"this device has {format_bytes(available)} free"
+                    if budget is None
+                    else f"the budget is {format_bytes(available)}"
+                )
+                m.skipped = (
+                    f"{name} attention at {tokens:,} tokens needs {format_bytes(m.predicted_bytes)} for "
+                    f"{heads} {dtype} head{'s' if heads > 1 else ''}; {where}"
+                )
                 results.append(m)
                 if progress:
                     progress.update(1)
                 continue
-            args = dict(implementation=name, tokens=tokens, heads=heads, head_dim=head_dim, dtype=dtype,
-                        device=device, rows=rows, repeats=repeats)  # fmt: skip
+            args = dict(
+                implementation=name,
+                tokens=tokens,
+                heads=heads,
+                head_dim=head_dim,
+                dtype=dtype,
+                device=device,
+                rows=rows,
+                repeats=repeats,
+            )
             if cuda:
                 try:
                     out, m.peak_bytes, m.median_seconds = _measure_here(**args)
@@ -467,22 +568,39 @@ def format_measurements(ms: list[Measurement]) -> str:
             rows.append([m.implementation, m.tokens, format_bytes(m.predicted_bytes), "skipped", "-", "-", "-"])
             continue
         ratio = m.peak_bytes / m.predicted_bytes if m.predicted_bytes else math.nan
-        rows.append([m.implementation + (f" ({m.chunk_rows} rows)" if m.chunk_rows else ""), m.tokens,
-                     format_bytes(m.predicted_bytes), format_bytes(m.peak_bytes), f"{ratio:.2f}",
-                     f"{m.median_seconds * 1e3:.1f}", "reference" if m.reference else f"{m.max_rel_diff:.1e}"])  # fmt: skip
+        rows.append(
+            [
+                m.implementation + (f" ({m.chunk_rows} rows)" if m.chunk_rows else ""),
+                m.tokens,
+                format_bytes(m.predicted_bytes),
+                format_bytes(m.peak_bytes),
+                f"{ratio:.2f}",
+                f"{m.median_seconds * 1e3:.1f}",
+                "reference" if m.reference else f"{m.max_rel_diff:.1e}",
+            ]
+        )
     first = ms[0]
-    title = (f"Measured: one self-attention, {first.heads} head{'s' if first.heads > 1 else ''} of {first.head_dim}, "
-             f"{first.dtype}, on {first.device}")  # fmt: skip
-    out = [format_table(["implementation", "tokens", "predicted", "peak", "peak/pred", "median ms", "rel diff"],
-                        rows, title=title)]  # fmt: skip
+    title = (
+        f"Measured: one self-attention, {first.heads} head{'s' if first.heads > 1 else ''} of {first.head_dim}, "
+        f"{first.dtype}, on {first.device}"
+    )
+    out = [
+        format_table(
+            ["implementation", "tokens", "predicted", "peak", "peak/pred", "median ms", "rel diff"], rows, title=title
+        )
+    ]
     out += [f"  skipped: {m.skipped}" for m in ms if m.skipped]
     out += [f"  sdpa ran {m.backend}" for m in ms if m.backend]
     out.append(f"  peak memory: {first.memory_method}")
     return "\n".join(out)
 
 
-def plot(tables: ScoreTables, measurements: list[Measurement], path: str | os.PathLike,
-         chunk_budget: int = DEFAULT_CHUNK_BUDGET) -> None:  # fmt: skip
+def plot(
+    tables: ScoreTables,
+    measurements: list[Measurement],
+    path: str | os.PathLike,
+    chunk_budget: int = DEFAULT_CHUNK_BUDGET,
+) -> None:
     """Tokens against bytes, log-log: analytic lines, measured points on them."""
     import matplotlib
 
@@ -493,26 +611,51 @@ def plot(tables: ScoreTables, measurements: list[Measurement], path: str | os.Pa
 
     tokens = [2**e for e in range(8, 19)]
     fig, ax = plt.subplots(figsize=(7, 5), dpi=120)
-    ax.loglog(tokens, [table_bytes(n, tables.dtype) for n in tokens], color="black",
-              label=f"score table, one {tables.dtype} head")  # fmt: skip
+    ax.loglog(
+        tokens,
+        [table_bytes(n, tables.dtype) for n in tokens],
+        color="black",
+        label=f"score table, one {tables.dtype} head",
+    )
     ran = [m for m in measurements if m.peak_bytes is not None]
     if measurements:
         m0 = measurements[0]
         for (name, marker), color in zip((("naive", "o"), ("chunked", "s"), ("sdpa", "^")), ("C0", "C1", "C2")):
             rows = [chunk_rows(n, m0.heads, m0.dtype, chunk_budget) for n in tokens]
             ys = [predicted_peak(name, n, m0.heads, m0.head_dim, m0.dtype, r) for n, r in zip(tokens, rows)]
-            ax.loglog(tokens, ys, "--", color=color, alpha=0.7,
-                      label=f"{name}: predicted peak ({m0.heads}x{m0.head_dim}, {m0.dtype})")  # fmt: skip
+            ax.loglog(
+                tokens,
+                ys,
+                "--",
+                color=color,
+                alpha=0.7,
+                label=f"{name}: predicted peak ({m0.heads}x{m0.head_dim}, {m0.dtype})",
+            )
             pts = [(m.tokens, m.peak_bytes) for m in ran if m.implementation == name]
             if pts:
                 ax.loglog(*zip(*pts), marker, color=color, markersize=8, label=f"{name}: measured on {m0.device}")
     for level, label in ((tables.levels[0], "latent"), (tables.pixel, "pixel")):
         ax.axvline(level.tokens, color="grey", lw=0.8)
-        ax.text(level.tokens, 0.02, f" {label} {level.grid[0]}x{level.grid[1]}", rotation=90, fontsize=8,
-                color="grey", transform=ax.get_xaxis_transform(), va="bottom", ha="right")  # fmt: skip
+        ax.text(
+            level.tokens,
+            0.02,
+            f" {label} {level.grid[0]}x{level.grid[1]}",
+            rotation=90,
+            fontsize=8,
+            color="grey",
+            transform=ax.get_xaxis_transform(),
+            va="bottom",
+            ha="right",
+        )
         table = table_bytes(level.tokens, tables.dtype)
-        ax.annotate(f"{format_bytes(table)}", (level.tokens, table), textcoords="offset points", xytext=(6, -12),
-                    fontsize=9, fontweight="bold")  # fmt: skip
+        ax.annotate(
+            f"{format_bytes(table)}",
+            (level.tokens, table),
+            textcoords="offset points",
+            xytext=(6, -12),
+            fontsize=9,
+            fontweight="bold",
+        )
         ax.plot([level.tokens], [table], "k*", markersize=9)
     ax.set_xlabel("tokens (cells attended over)")
     ax.set_ylabel("bytes")

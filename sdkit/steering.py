@@ -67,8 +67,10 @@ class SteeringSettings:
     def check(self) -> None:
         unknown = [o for o in self.objectives if o not in OBJECTIVES]
         if unknown or not self.objectives:
-            raise SdkitError(f"unknown steering objective {unknown[0] if unknown else '(none)'!r}; choose from "
-                             f"{', '.join(OBJECTIVES)}")  # fmt: skip
+            raise SdkitError(
+                f"unknown steering objective {unknown[0] if unknown else '(none)'!r}; choose from "
+                f"{', '.join(OBJECTIVES)}"
+            )
         if not math.isfinite(self.scale) or self.scale < 0:
             raise SdkitError(f"the steering scale must be a finite number >= 0, not {self.scale}")
         if self.steps < 0 or self.resolution <= 0 or self.max_refinement_steps < 0:
@@ -96,8 +98,10 @@ def steered_layers(trace, settings: SteeringSettings, latent_size: tuple[int, in
         sides[name] = halved(*latent_size, depth)[0]
     chosen = [n for n in names if sides[n] == settings.resolution]
     if not chosen:
-        raise SdkitError(f"no cross-attention layer works at {settings.resolution}x{settings.resolution}; this U-Net's "
-                         f"are at {', '.join(str(s) for s in sorted(set(sides.values()), reverse=True))}")  # fmt: skip
+        raise SdkitError(
+            f"no cross-attention layer works at {settings.resolution}x{settings.resolution}; this U-Net's "
+            f"are at {', '.join(str(s) for s in sorted(set(sides.values()), reverse=True))}"
+        )
     return chosen
 
 
@@ -172,8 +176,9 @@ def layout_loss(maps: torch.Tensor, regions) -> torch.Tensor:
     """For each (tokens, region): (1 - the share of the tokens' attention inside the region)^2."""
     total = maps.new_zeros(())
     for group, region in regions:
-        inside = F.interpolate(region[None, None].to(maps), size=maps.shape[:2], mode="bilinear",
-                               align_corners=False)[0, 0]  # fmt: skip
+        inside = F.interpolate(region[None, None].to(maps), size=maps.shape[:2], mode="bilinear", align_corners=False)[
+            0, 0
+        ]
         image = maps[:, :, group].sum(-1)
         total = total + (1 - (image * inside).sum() / image.sum().clamp_min(1e-12)) ** 2
     return total / max(len(regions), 1)
@@ -230,8 +235,9 @@ class Steerer:
 
         return halved(*latent_size, _depth(self.layers[0], self.unet))
 
-    def step(self, latents: torch.Tensor, t, embeds: torch.Tensor, guides: list[Guide], index: int,
-             total_steps: int) -> torch.Tensor:  # fmt: skip
+    def step(
+        self, latents: torch.Tensor, t, embeds: torch.Tensor, guides: list[Guide], index: int, total_steps: int
+    ) -> torch.Tensor:
         """The latents (batch, C, H, W) nudged for denoising step `index`; unchanged past `steps`."""
         from .trace import CrossAttentionTrace
 
@@ -251,8 +257,10 @@ class Steerer:
                 nudged.append(self._nudge(latent, loss, size) if loss != 0 else latent)
         out = torch.cat([n.detach() for n in nudged])
         if not torch.isfinite(out).all():
-            raise SdkitError(f"steering made the sample non-finite at step {index + 1} (scale {self.settings.scale:g}); "
-                             "use a smaller scale")  # fmt: skip
+            raise SdkitError(
+                f"steering made the sample non-finite at step {index + 1} (scale {self.settings.scale:g}); "
+                "use a smaller scale"
+            )
         return out
 
     def _refine(self, trace, latent, t, embed, guide, excite, target: float, size: float):
@@ -276,9 +284,18 @@ class Steerer:
 
 
 @torch.no_grad()
-def steered_sd(pipe, prompt: str | list[str], guides: Guide | list[Guide], settings: SteeringSettings,
-               num_inference_steps: int = 50, guidance_scale: float = 7.5, generator=None, latents=None,
-               negative_prompt=None, output_type: str = "pil"):  # fmt: skip
+def steered_sd(
+    pipe,
+    prompt: str | list[str],
+    guides: Guide | list[Guide],
+    settings: SteeringSettings,
+    num_inference_steps: int = 50,
+    guidance_scale: float = 7.5,
+    generator=None,
+    latents=None,
+    negative_prompt=None,
+    output_type: str = "pil",
+):
     """A stock diffusers StableDiffusionPipeline, sampled with cross-attention steering.
 
     The loop is the pipeline's own (its prompt encoding, latents, scheduler and decoding), with one
@@ -295,8 +312,9 @@ def steered_sd(pipe, prompt: str | list[str], guides: Guide | list[Guide], setti
     check_guides(guides, prompt_embeds.shape[1])
     pipe.scheduler.set_timesteps(num_inference_steps, device=device)
     height = width = pipe.unet.config.sample_size * pipe.vae_scale_factor
-    latents = pipe.prepare_latents(len(prompts), pipe.unet.config.in_channels, height, width, prompt_embeds.dtype,
-                                   device, generator, latents)  # fmt: skip
+    latents = pipe.prepare_latents(
+        len(prompts), pipe.unet.config.in_channels, height, width, prompt_embeds.dtype, device, generator, latents
+    )
     extra = pipe.prepare_extra_step_kwargs(generator, 0.0)
     context = torch.cat([negative_embeds, prompt_embeds]) if do_cfg else prompt_embeds
     timesteps = pipe.scheduler.timesteps

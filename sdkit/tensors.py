@@ -17,14 +17,29 @@ from .safetensors_header import TensorInfo
 # torch dtypes by their safetensors names (those torch has; uint16-64 and float8 need torch >= 2.3).
 TORCH_DTYPES = {
     getattr(torch, name): code
-    for name, code in (("float64", "F64"), ("float32", "F32"), ("float16", "F16"), ("bfloat16", "BF16"),
-                       ("int64", "I64"), ("int32", "I32"), ("int16", "I16"), ("int8", "I8"), ("uint8", "U8"),
-                       ("bool", "BOOL"), ("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"),
-                       ("complex64", "C64"), ("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"),
-                       ("float8_e4m3fnuz", "F8_E4M3FNUZ"), ("float8_e5m2fnuz", "F8_E5M2FNUZ"),
-                       ("float8_e8m0fnu", "F8_E8M0"))
+    for name, code in (
+        ("float64", "F64"),
+        ("float32", "F32"),
+        ("float16", "F16"),
+        ("bfloat16", "BF16"),
+        ("int64", "I64"),
+        ("int32", "I32"),
+        ("int16", "I16"),
+        ("int8", "I8"),
+        ("uint8", "U8"),
+        ("bool", "BOOL"),
+        ("uint16", "U16"),
+        ("uint32", "U32"),
+        ("uint64", "U64"),
+        ("complex64", "C64"),
+        ("float8_e4m3fn", "F8_E4M3"),
+        ("float8_e5m2", "F8_E5M2"),
+        ("float8_e4m3fnuz", "F8_E4M3FNUZ"),
+        ("float8_e5m2fnuz", "F8_E5M2FNUZ"),
+        ("float8_e8m0fnu", "F8_E8M0"),
+    )
     if hasattr(torch, name)
-}  # fmt: skip
+}
 
 
 def tensor_info(tensor: torch.Tensor, source: str = "checkpoint") -> TensorInfo:
@@ -51,7 +66,9 @@ def load_pickle(path: Path, allow_pickle: bool) -> dict[str, torch.Tensor]:
                 raise
             data = torch.load(path, map_location="cpu", weights_only=True)  # pre-zip format
     except Exception as e:  # torch raises many types for a bad pickle; all mean the same here
-        raise SdkitError(f"{path}: cannot be read as a weights-only pickle ({type(e).__name__}: {first_line(e)})") from None
+        raise SdkitError(
+            f"{path}: cannot be read as a weights-only pickle ({type(e).__name__}: {first_line(e)})"
+        ) from None
     if isinstance(data, dict) and isinstance(data.get("state_dict"), dict):
         data = data["state_dict"]
     if not isinstance(data, dict) or not all(isinstance(v, torch.Tensor) for v in data.values()):

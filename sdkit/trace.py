@@ -38,8 +38,16 @@ class CaptureProcessor:
     def __init__(self, trace: CrossAttentionTrace, name: str, original):
         self.trace, self.name, self.original = trace, name, original
 
-    def __call__(self, attn: Attention, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None,
-                 *args, **kwargs):  # fmt: skip
+    def __call__(
+        self,
+        attn: Attention,
+        hidden_states,
+        encoder_hidden_states=None,
+        attention_mask=None,
+        temb=None,
+        *args,
+        **kwargs,
+    ):
         out = self.original(attn, hidden_states, encoder_hidden_states, attention_mask, temb, *args, **kwargs)
         # With the trace's graph on, the weights keep theirs (steering differentiates a loss on them);
         # otherwise they are computed as a side table, without one.
@@ -98,8 +106,17 @@ class CrossAttentionTrace:
     object it was before, also when the body raises.
     """
 
-    def __init__(self, unet, cfg: bool = False, maps: bool = False, map_sides: tuple[int, ...] | None = None,
-                 by_timestep: bool = False, timesteps=None, keep_heads: bool = False, keep_graph: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        unet,
+        cfg: bool = False,
+        maps: bool = False,
+        map_sides: tuple[int, ...] | None = None,
+        by_timestep: bool = False,
+        timesteps=None,
+        keep_heads: bool = False,
+        keep_graph: bool = False,
+    ):
         self.unet, self.cfg, self.maps, self.map_sides = unet, cfg, maps, map_sides
         # keep_graph: each layer's weights of the latest call, with their autograd graph, in
         # graph_probs[layer]: (batch * heads, cells, tokens). What steering reads and differentiates.
@@ -164,14 +181,18 @@ class CrossAttentionTrace:
         mixed = mixed.detach().view(batch, heads, cells, -1)
         if self.cfg:
             if batch % 2:
-                raise SdkitError(f"cfg=True needs (unconditional, conditional) pairs, but {name} got a batch of {batch}")
+                raise SdkitError(
+                    f"cfg=True needs (unconditional, conditional) pairs, but {name} got a batch of {batch}"
+                )
             probs, mixed = probs[batch // 2 :], mixed[batch // 2 :]
         probs, mixed = probs.float(), mixed.float()
         items = probs.shape[0]
         s = self.layers[name]
         if s.token_mass is not None and s.token_mass.shape != (items, tokens):
-            raise SdkitError(f"{name}: the batch or the number of text tokens changed within one trace "
-                             f"({tuple(s.token_mass.shape)} -> {(items, tokens)} items x tokens)")  # fmt: skip
+            raise SdkitError(
+                f"{name}: the batch or the number of text tokens changed within one trace "
+                f"({tuple(s.token_mass.shape)} -> {(items, tokens)} items x tokens)"
+            )
         out = mixed.transpose(1, 2).flatten(2)  # (items, cells, heads * head_dim), as to_out sees it
         spread = (out - out.mean(dim=1, keepdim=True)).norm(dim=(1, 2)) / out.norm(dim=(1, 2)).clamp_min(1e-30)
         entropy = torch.special.entr(probs).sum(-1).mean(dim=(1, 2))
@@ -221,8 +242,14 @@ class CrossAttentionTrace:
         """The (layer, timestep) pairs maps were kept for (timestep None: all steps together)."""
         return list(self.map_sums)
 
-    def token_maps(self, item: int | None = None, layers=None, timesteps=None, head: int | None = None,
-                   size: tuple[int, int] | None = None) -> torch.Tensor:  # fmt: skip
+    def token_maps(
+        self,
+        item: int | None = None,
+        layers=None,
+        timesteps=None,
+        head: int | None = None,
+        size: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
         """(tokens, H, W): attention per token, the mean over the selected layers (names, or grid
         sides as ints), timesteps and heads, upsampled to `size` (default: the latent size); of one
         batch item, or the mean over items."""
@@ -232,10 +259,12 @@ class CrossAttentionTrace:
                 raise SdkitError("no maps were captured: trace with maps=True and run the U-Net inside the trace")
             grids = sorted({self.layers[layer].grid[0] for layer, _ in self.map_sums if self.layers[layer].grid})
             steps = sorted({t for _, t in self.map_sums if t is not None})
-            raise SdkitError(f"no maps match layers={layers} timesteps={timesteps}; captured: layers "
-                             f"{', '.join(sorted({layer for layer, _ in self.map_sums}))} (grid sides "
-                             f"{', '.join(map(str, grids))}), timesteps "
-                             f"{', '.join(map(str, steps)) if steps else 'all together (by_timestep=False)'}")  # fmt: skip
+            raise SdkitError(
+                f"no maps match layers={layers} timesteps={timesteps}; captured: layers "
+                f"{', '.join(sorted({layer for layer, _ in self.map_sums}))} (grid sides "
+                f"{', '.join(map(str, grids))}), timesteps "
+                f"{', '.join(map(str, steps)) if steps else 'all together (by_timestep=False)'}"
+            )
         size = size or self._latent_size
         total = None
         for key in keys:
@@ -261,11 +290,18 @@ class CrossAttentionTrace:
 
         from .common import atomic_path
 
-        tensors = {f"{layer}@{'all' if t is None else t}": (self.map_sums[(layer, t)] / self.map_calls[(layer, t)]).contiguous()
-                   for layer, t in self.map_sums}  # fmt: skip
+        tensors = {
+            f"{layer}@{'all' if t is None else t}": (
+                self.map_sums[(layer, t)] / self.map_calls[(layer, t)]
+            ).contiguous()
+            for layer, t in self.map_sums
+        }
         with atomic_path(path) as tmp:
-            save_file(tensors, str(tmp), metadata={"latent_size": json.dumps(self._latent_size),
-                                                   "keep_heads": str(self.keep_heads)})  # fmt: skip
+            save_file(
+                tensors,
+                str(tmp),
+                metadata={"latent_size": json.dumps(self._latent_size), "keep_heads": str(self.keep_heads)},
+            )
 
 
 def _selected(key, layers, timesteps, all_layers: dict[str, _LayerSums]) -> bool:

@@ -67,8 +67,10 @@ def tiny_files(tmp_path_factory, tiny_unet):
     as a bare diffusers-layout file, and as a diffusers pipeline folder."""
     root = tmp_path_factory.mktemp("ckpt")
     torch.manual_seed(1)
-    extra = {"first_stage_model.decoder.conv_in.weight": torch.randn(8, 4, 3, 3).half(),
-             "cond_stage_model.transformer.text_model.final_layer_norm.weight": torch.randn(768)}  # fmt: skip
+    extra = {
+        "first_stage_model.decoder.conv_in.weight": torch.randn(8, 4, 3, 3).half(),
+        "cond_stage_model.transformer.text_model.final_layer_norm.weight": torch.randn(768),
+    }
     save_single_file(tiny_unet, root / "original.safetensors", extra=extra)
     save_single_file(tiny_unet, root / "diffusers.safetensors", layout="diffusers")
     tiny_unet.save_pretrained(root / "pipeline" / "unet")
@@ -85,10 +87,19 @@ def original_state_dict(unet, state=None):
 
 def micro_config(width: int) -> dict:
     """A two-level mini SD U-Net, small enough to train in a second."""
-    return {"_class_name": "UNet2DConditionModel", "in_channels": 3, "out_channels": 3, "sample_size": 32,
-            "block_out_channels": [16, 32], "layers_per_block": 1, "norm_num_groups": 8, "attention_head_dim": 2,
-            "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"],
-            "up_block_types": ["CrossAttnUpBlock2D", "UpBlock2D"], "cross_attention_dim": width}  # fmt: skip
+    return {
+        "_class_name": "UNet2DConditionModel",
+        "in_channels": 3,
+        "out_channels": 3,
+        "sample_size": 32,
+        "block_out_channels": [16, 32],
+        "layers_per_block": 1,
+        "norm_num_groups": 8,
+        "attention_head_dim": 2,
+        "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"],
+        "up_block_types": ["CrossAttnUpBlock2D", "UpBlock2D"],
+        "cross_attention_dim": width,
+    }
 
 
 @pytest.fixture(scope="session")
@@ -105,30 +116,23 @@ def micro_minisd(bert, tmp_path_factory):
     from sdkit.minisd.train import TrainSettings, train
 
     out = tmp_path_factory.mktemp("micro-minisd") / "model"
-    train(out, bert, TrainSettings(steps=2, batch_size=4, warmup_steps=1, compile=False), micro_config(bert.width),
-          cache_dir=None, progress=False)  # fmt: skip
+    train(
+        out,
+        bert,
+        TrainSettings(steps=2, batch_size=4, warmup_steps=1, compile=False),
+        micro_config(bert.width),
+        cache_dir=None,
+        progress=False,
+    )
     return out, bert.source
 
 
 @pytest.fixture(scope="session")
-def tiny_sd(tmp_path_factory):
-    """A tiny random Stable Diffusion pipeline (U-Net with cross-attention at 32x32 and 16x16)."""
-    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
-    from transformers import CLIPTextModel, CLIPTokenizer
+def tiny_sd():
+    """A tiny random Stable Diffusion pipeline (U-Net with cross-attention at 32x32 and 16x16), and
+    its components by name."""
+    from sdkit.presets import tiny_sd_pipeline
 
-    from sdkit.encoders import write_tiny_clip_encoder
-
-    folder = write_tiny_clip_encoder(tmp_path_factory.mktemp("clip"), width=32, seed=0)
-    torch.manual_seed(0)
-    unet = UNet2DConditionModel(sample_size=32, in_channels=4, out_channels=4, block_out_channels=(16, 32),
-                                layers_per_block=1, norm_num_groups=8, attention_head_dim=4, cross_attention_dim=32,
-                                down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-                                up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D")).eval()  # fmt: skip
-    vae = AutoencoderKL(block_out_channels=(8, 8), norm_num_groups=4, latent_channels=4,
-                        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2).eval()  # fmt: skip
-    scheduler = DDIMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, clip_sample=False,
-                              set_alpha_to_one=False, steps_offset=1)  # SD 1.5's: 50 steps start at 981  # fmt: skip
-    parts = {"vae": vae, "text_encoder": CLIPTextModel.from_pretrained(folder / "text_encoder"),
-             "tokenizer": CLIPTokenizer.from_pretrained(folder / "tokenizer"), "unet": unet, "scheduler": scheduler,
-             "safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}  # fmt: skip
-    return StableDiffusionPipeline(**parts), parts
+    pipe = tiny_sd_pipeline(seed=0)
+    parts = ("vae", "text_encoder", "tokenizer", "unet", "scheduler", "safety_checker", "feature_extractor")
+    return pipe, {**{name: pipe.components[name] for name in parts}, "requires_safety_checker": False}

@@ -2,6 +2,7 @@ import json
 
 import pytest
 import torch
+from conftest import original_state_dict
 from diffusers.loaders.single_file_utils import convert_ldm_unet_checkpoint
 
 from sdkit.audit import ROLES, audit, audit_module, parameter_role, text_width_swap
@@ -13,8 +14,6 @@ from sdkit.checkpoints import (
 )
 from sdkit.loading import load_unet, module_index
 from sdkit.presets import PRESETS, build_unet, preset_config
-
-from conftest import original_state_dict
 
 SD15_TOTAL = 859_520_964
 
@@ -84,8 +83,18 @@ def test_cli_audit_json(cli):
     assert data["total"] == SD15_TOTAL
     assert data["attention_blocks"]["mlp"] == 148_797_120
     assert data["text_width_swap"]["parameter_change"] == 6_389_760
-    assert [lv["name"] for lv in data["levels"]] == ["stem", "down.0", "down.1", "down.2", "down.3", "mid",
-                                                      "up.0", "up.1", "up.2", "up.3"]  # fmt: skip
+    assert [lv["name"] for lv in data["levels"]] == [
+        "stem",
+        "down.0",
+        "down.1",
+        "down.2",
+        "down.3",
+        "mid",
+        "up.0",
+        "up.1",
+        "up.2",
+        "up.3",
+    ]
     assert [lv["latent_side"] for lv in data["levels"]] == [64, 64, 32, 16, 8, 8, 8, 16, 32, 64]
 
 
@@ -143,9 +152,11 @@ def test_header_audit_imports_neither_torch_nor_diffusers(tiny_files):
     import subprocess
     import sys
 
-    code = ("import sys; from sdkit.cli import main; rc = main(['audit', sys.argv[1], '--json']); "
-            "heavy = [m for m in ('torch', 'diffusers', 'transformers', 'safetensors') if m in sys.modules]; "
-            "assert not heavy, heavy; sys.exit(rc)")  # fmt: skip
+    code = (
+        "import sys; from sdkit.cli import main; rc = main(['audit', sys.argv[1], '--json']); "
+        "heavy = [m for m in ('torch', 'diffusers', 'transformers', 'safetensors') if m in sys.modules]; "
+        "assert not heavy, heavy; sys.exit(rc)"
+    )
     for name in ("original.safetensors", "diffusers.safetensors", "pipeline"):
         run = subprocess.run([sys.executable, "-c", code, str(tiny_files / name)], capture_output=True, text=True)
         assert run.returncode == 0, run.stderr
@@ -155,13 +166,20 @@ def test_header_audit_imports_neither_torch_nor_diffusers(tiny_files):
 def test_original_names_are_the_compvis_names():
     names = set(original_state_dict(build_unet(preset_config("sd15"))))
     for key in [
-        "time_embed.0.weight", "input_blocks.0.0.weight", "input_blocks.1.0.in_layers.2.weight",
-        "input_blocks.1.1.transformer_blocks.0.attn2.to_k.weight", "input_blocks.3.0.op.weight",
-        "input_blocks.4.0.skip_connection.weight", "middle_block.1.proj_in.weight",
-        "middle_block.2.emb_layers.1.weight", "output_blocks.2.1.conv.weight",
-        "output_blocks.5.2.conv.weight", "output_blocks.11.1.transformer_blocks.0.ff.net.2.bias",
-        "out.0.weight", "out.2.bias",
-    ]:  # fmt: skip
+        "time_embed.0.weight",
+        "input_blocks.0.0.weight",
+        "input_blocks.1.0.in_layers.2.weight",
+        "input_blocks.1.1.transformer_blocks.0.attn2.to_k.weight",
+        "input_blocks.3.0.op.weight",
+        "input_blocks.4.0.skip_connection.weight",
+        "middle_block.1.proj_in.weight",
+        "middle_block.2.emb_layers.1.weight",
+        "output_blocks.2.1.conv.weight",
+        "output_blocks.5.2.conv.weight",
+        "output_blocks.11.1.transformer_blocks.0.ff.net.2.bias",
+        "out.0.weight",
+        "out.2.bias",
+    ]:
         assert ORIGINAL_UNET_PREFIX + key in names
 
 
@@ -246,8 +264,10 @@ def test_paper_table_columns_add_up_in_every_format():
     audits = [audit(name) for name in ("sd15", "sd21", "sdxl")]
     for row in paper_rows(audits):
         values = dict(zip(PAPER_COLUMNS, row))
-        assert values["MLP"] + values["self-attn"] + values["cross-attn"] + values["norm"] + values["proj"] == \
-            values["in blocks"]  # fmt: skip
+        assert (
+            values["MLP"] + values["self-attn"] + values["cross-attn"] + values["norm"] + values["proj"]
+            == values["in blocks"]
+        )
         assert values["% of U-Net"] == pytest.approx(100 * values["in blocks"] / values["U-Net params"])
     assert [r[1] for r in paper_rows(audits)] == [512, 768, 1024]  # each at its native size
     parsed = list(csv.reader(io.StringIO(paper_table(audits, "csv"))))

@@ -19,60 +19,206 @@ from tests.test_reliability import one_line
 
 # Values for any flag. Work-size flags (steps, counts, epochs) take only the small or invalid ones,
 # so that every case stays short: a valid huge amount of work is work, not a defect.
-ANY = ["0", "-1", "1", "2", "3", "17", "1e308", "-1e308", "nan", "inf", "-inf", "", " ", "é", "🙂", "1.5", "0x10",
-       "9" * 30, "-" + "9" * 30, "x", "--", "a,b", "8,", "64x96", "0,1000", "\x7f", "0.0001"]  # fmt: skip
+ANY = [
+    "0",
+    "-1",
+    "1",
+    "2",
+    "3",
+    "17",
+    "1e308",
+    "-1e308",
+    "nan",
+    "inf",
+    "-inf",
+    "",
+    " ",
+    "é",
+    "🙂",
+    "1.5",
+    "0x10",
+    "9" * 30,
+    "-" + "9" * 30,
+    "x",
+    "--",
+    "a,b",
+    "8,",
+    "64x96",
+    "0,1000",
+    "\x7f",
+    "0.0001",
+]
 SMALL = ["0", "-1", "1", "2", "nan", "", "é", "1.5", "x", "-" + "9" * 30]
 
 
 def paths(root: Path) -> list[str]:
     """Where outputs may go: new files, existing user files, inputs, devices, folders, odd names."""
-    return [str(root / "out" / "new.json"), str(root / "out" / "deep" / "er" / "new.png"), str(root / "keep" / "notes.txt"),
-            str(root / "keep"), str(root / "inputs" / "tiny.safetensors"), str(root / "inputs" / "micro" / "minisd.json"),
-            "/dev/null", str(root / "out" / "é 🙂.png"), str(root / "out" / "x.svg"), str(root / "out" / "x.txt"), "",
-            str(root / "inputs" / "micro"), str(root / "out" / "fresh")]  # fmt: skip
+    return [
+        str(root / "out" / "new.json"),
+        str(root / "out" / "deep" / "er" / "new.png"),
+        str(root / "keep" / "notes.txt"),
+        str(root / "keep"),
+        str(root / "inputs" / "tiny.safetensors"),
+        str(root / "inputs" / "micro" / "minisd.json"),
+        "/dev/null",
+        str(root / "out" / "é 🙂.png"),
+        str(root / "out" / "x.svg"),
+        str(root / "out" / "x.txt"),
+        "",
+        str(root / "inputs" / "micro"),
+        str(root / "out" / "fresh"),
+    ]
 
 
 def commands(root: Path, encoder: str) -> dict[str, tuple[list[str], dict[str, list[str]]]]:
     """name -> (the command's fixed arguments, flag -> values to try)."""
     inputs, micro = root / "inputs", str(root / "inputs" / "micro")
     out = paths(root)
-    models = ["tiny", "minisd", "sd15", str(inputs / "tiny.safetensors"), str(inputs / "pipeline"), micro,
-              "/nonexistent", "", "é", str(root / "keep")]  # fmt: skip
-    sample = ["minisd", "sample", "a red circle at the top", "--model", micro, "--text-encoder", encoder, "--out",
-              str(root / "out" / "grid.png")]  # fmt: skip
+    models = [
+        "tiny",
+        "minisd",
+        "sd15",
+        str(inputs / "tiny.safetensors"),
+        str(inputs / "pipeline"),
+        micro,
+        "/nonexistent",
+        "",
+        "é",
+        str(root / "keep"),
+    ]
+    sample = [
+        "minisd",
+        "sample",
+        "a red circle at the top",
+        "--model",
+        micro,
+        "--text-encoder",
+        encoder,
+        "--out",
+        str(root / "out" / "grid.png"),
+    ]
     return {
-        "audit": (["audit"], {"": models, "--context-dim": ANY, "--image-size": ANY, "--json-out": out,
-                              "--allow-pickle": [None], "--json": [None]}),  # fmt: skip
-        "scoretable": (["scoretable", "--preset", "tiny"],
-                       {"--size": ANY, "--height": ANY, "--width": ANY, "--preset": ["tiny", "minisd", "x", ""],
-                        "--batch": SMALL, "--cfg": [None], "--dtype": ["float32", "int8", ""], "--plot": out,
-                        "--chunk-budget": ANY, "--json-out": out, "--tokens": SMALL}),  # fmt: skip
-        "condition": (["condition"],
-                      {"--unet": ["tiny", micro, "/nonexistent", str(inputs / "tiny.safetensors")],
-                       "--prompt": ["", "é 🙂", "a red circle", "x " * 500], "--latent-size": ANY,
-                       "--timestep": ANY, "--seed": ANY, "--maps": out, "--map-sides": ANY, "--layer": ["last", "x"],
-                       "--text-encoder": [encoder, "/nonexistent", micro], "--json-out": out, "--masks": [None],
-                       "--count": SMALL, "--steps": SMALL, "--timesteps": ANY, "--guidance": ANY}),  # fmt: skip
-        "adapter encode": (["adapter", "encode", "a red cat", "--adapter", str(inputs / "adapter"), "--new",
-                            str(inputs / "new"), "--out", str(root / "out" / "embeds.safetensors")],
-                           {"--negative": ["", "é", "x " * 100], "--out": out, "--new-layer": ["last", "penultimate", "x"],
-                            "--adapter": [str(inputs / "adapter"), micro, "/nonexistent"]}),  # fmt: skip
-        "minisd sample": (sample, {"--seeds": SMALL, "--first-seed": ANY, "--steps": SMALL + ["1001"],
-                                   "--guidance": ANY, "--sampler": ["ddim", "dpm", "x"], "--out": out,
-                                   "--json-out": out}),  # fmt: skip
-        "minisd eval": (["minisd", "eval", "--model", micro, "--text-encoder", encoder, "--count", "1", "--steps", "2",
-                         "--no-floors"],
-                        {"--sets": ["", ",", "pairs", "x", "singles,pairs"], "--count": SMALL, "--steps": SMALL,
-                         "--guidance": ANY, "--panel": out}),  # fmt: skip
-        "minisd train": (["minisd", "train", "--text-encoder", encoder, "--steps", "1", "--out", str(root / "out" / "m")],
-                         {"--lr": ANY, "--image-size": ANY, "--batch-size": SMALL, "--out": out,
-                          "--pair-fraction": ANY, "--empty-fraction": ANY, "--checkpoint-every": ANY}),  # fmt: skip
+        "audit": (
+            ["audit"],
+            {
+                "": models,
+                "--context-dim": ANY,
+                "--image-size": ANY,
+                "--json-out": out,
+                "--allow-pickle": [None],
+                "--json": [None],
+            },
+        ),
+        "scoretable": (
+            ["scoretable", "--preset", "tiny"],
+            {
+                "--size": ANY,
+                "--height": ANY,
+                "--width": ANY,
+                "--preset": ["tiny", "minisd", "x", ""],
+                "--batch": SMALL,
+                "--cfg": [None],
+                "--dtype": ["float32", "int8", ""],
+                "--plot": out,
+                "--chunk-budget": ANY,
+                "--json-out": out,
+                "--tokens": SMALL,
+            },
+        ),
+        "condition": (
+            ["condition"],
+            {
+                "--unet": ["tiny", micro, "/nonexistent", str(inputs / "tiny.safetensors")],
+                "--prompt": ["", "é 🙂", "a red circle", "x " * 500],
+                "--latent-size": ANY,
+                "--timestep": ANY,
+                "--seed": ANY,
+                "--maps": out,
+                "--map-sides": ANY,
+                "--layer": ["last", "x"],
+                "--text-encoder": [encoder, "/nonexistent", micro],
+                "--json-out": out,
+                "--masks": [None],
+                "--count": SMALL,
+                "--steps": SMALL,
+                "--timesteps": ANY,
+                "--guidance": ANY,
+            },
+        ),
+        "adapter encode": (
+            [
+                "adapter",
+                "encode",
+                "a red cat",
+                "--adapter",
+                str(inputs / "adapter"),
+                "--new",
+                str(inputs / "new"),
+                "--out",
+                str(root / "out" / "embeds.safetensors"),
+            ],
+            {
+                "--negative": ["", "é", "x " * 100],
+                "--out": out,
+                "--new-layer": ["last", "penultimate", "x"],
+                "--adapter": [str(inputs / "adapter"), micro, "/nonexistent"],
+            },
+        ),
+        "minisd sample": (
+            sample,
+            {
+                "--seeds": SMALL,
+                "--first-seed": ANY,
+                "--steps": SMALL + ["1001"],
+                "--guidance": ANY,
+                "--sampler": ["ddim", "dpm", "x"],
+                "--out": out,
+                "--json-out": out,
+            },
+        ),
+        "minisd eval": (
+            [
+                "minisd",
+                "eval",
+                "--model",
+                micro,
+                "--text-encoder",
+                encoder,
+                "--count",
+                "1",
+                "--steps",
+                "2",
+                "--no-floors",
+            ],
+            {
+                "--sets": ["", ",", "pairs", "x", "singles,pairs"],
+                "--count": SMALL,
+                "--steps": SMALL,
+                "--guidance": ANY,
+                "--panel": out,
+            },
+        ),
+        "minisd train": (
+            ["minisd", "train", "--text-encoder", encoder, "--steps", "1", "--out", str(root / "out" / "m")],
+            {
+                "--lr": ANY,
+                "--image-size": ANY,
+                "--batch-size": SMALL,
+                "--out": out,
+                "--pair-fraction": ANY,
+                "--empty-fraction": ANY,
+                "--checkpoint-every": ANY,
+            },
+        ),
     }
 
 
 def digest_tree(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}  # fmt: skip
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def finite(value) -> bool:
@@ -180,16 +326,64 @@ def fast_commands(root: Path, encoder: str) -> dict[str, list[str]]:
         "scoretable": ["scoretable", "--preset", "tiny", "--plot", str(out / "s.png")],
         "condition": ["condition", "--unet", str(inputs / "pipeline"), "--maps", str(out / "maps")],
         "condition minisd": ["condition", "--unet", micro, "--text-encoder", encoder, "--prompt", "a red circle"],
-        "condition masks": ["condition", "--unet", micro, "--text-encoder", encoder, "--masks", "--count", "1",
-                            "--timesteps", "500", "--plot", str(out / "c.png")],  # fmt: skip
-        "adapter encode": ["adapter", "encode", "a red cat", "--adapter", str(inputs / "adapter"), "--new",
-                           str(inputs / "new"), "--out", str(out / "e.safetensors")],  # fmt: skip
-        "adapter train": ["adapter", "train", "--new", encoder, "--old", encoder, "--unet", "none", "--generate", "20",
-                          "--epochs", "1", "--kinds", "linear", "--out", str(out / "adapters"), "--checkpoints",
-                          str(out / "ack")],  # fmt: skip
+        "condition masks": [
+            "condition",
+            "--unet",
+            micro,
+            "--text-encoder",
+            encoder,
+            "--masks",
+            "--count",
+            "1",
+            "--timesteps",
+            "500",
+            "--plot",
+            str(out / "c.png"),
+        ],
+        "adapter encode": [
+            "adapter",
+            "encode",
+            "a red cat",
+            "--adapter",
+            str(inputs / "adapter"),
+            "--new",
+            str(inputs / "new"),
+            "--out",
+            str(out / "e.safetensors"),
+        ],
+        "adapter train": [
+            "adapter",
+            "train",
+            "--new",
+            encoder,
+            "--old",
+            encoder,
+            "--unet",
+            "none",
+            "--generate",
+            "20",
+            "--epochs",
+            "1",
+            "--kinds",
+            "linear",
+            "--out",
+            str(out / "adapters"),
+            "--checkpoints",
+            str(out / "ack"),
+        ],
         "minisd sample": ["minisd", "sample", "a red circle", "--seeds", "1", *minisd, "--out", str(out / "g.png")],
-        "minisd eval": ["minisd", "eval", "--count", "1", "--sets", "singles", "--no-floors", *minisd, "--panel",
-                        str(out / "p.png")],  # fmt: skip
+        "minisd eval": [
+            "minisd",
+            "eval",
+            "--count",
+            "1",
+            "--sets",
+            "singles",
+            "--no-floors",
+            *minisd,
+            "--panel",
+            str(out / "p.png"),
+        ],
         "memory": ["memory", "--quick", "--minisd", micro, "--plot", str(out / "m.png")],
     }
 
@@ -246,12 +440,17 @@ def test_no_output_lands_on_an_input(cli, arena):
     root, encoder = arena
     before = digest_tree(root)
     cases = 0
-    for name, argv in fast_commands(root, encoder).items():
+    for argv in fast_commands(root, encoder).values():
         options = _options(argv)
         for output in (o for o in OUTPUT_OPTIONS if o in options and o not in ("--cache", "--checkpoints")):
             for path in _input_files(root, argv):
-                _assert_untouched(cli, root, before, _with(argv, output, str(path)),
-                                  ("what this command reads", "must be a folder", "pictures are written as"))  # fmt: skip
+                _assert_untouched(
+                    cli,
+                    root,
+                    before,
+                    _with(argv, output, str(path)),
+                    ("what this command reads", "must be a folder", "pictures are written as"),
+                )
                 cases += 1
     assert cases > 100, cases
 
@@ -267,15 +466,24 @@ def test_no_output_lands_on_another(cli, arena):
         for i, first in enumerate(outputs):
             for second in outputs[i + 1 :]:
                 same = str(root / "out" / "same.png")
-                _assert_untouched(cli, root, before, _with(_with(argv, first, same), second, same),
-                                  ("same path", "inside the", "must be a folder", "must be a file"))  # fmt: skip
+                _assert_untouched(
+                    cli,
+                    root,
+                    before,
+                    _with(_with(argv, first, same), second, same),
+                    ("same path", "inside the", "must be a folder", "must be a file"),
+                )
                 cases += 1
-            if first in ("--out", "--maps", "--checkpoints") and options[first].metavar not in ("FILE.png",) and \
-                    name not in ("minisd sample", "adapter encode"):  # fmt: skip
+            if (
+                first in ("--out", "--maps", "--checkpoints")
+                and options[first].metavar not in ("FILE.png",)
+                and name not in ("minisd sample", "adapter encode")
+            ):
                 folder = str(root / "out" / "written")
                 for second in (o for o in outputs if o != first):
-                    _assert_untouched(cli, root, before, _with(_with(argv, first, folder), second, folder + "/x.png"),
-                                      ("inside the",))  # fmt: skip
+                    _assert_untouched(
+                        cli, root, before, _with(_with(argv, first, folder), second, folder + "/x.png"), ("inside the",)
+                    )
                     cases += 1
     assert cases > 10, cases
 
@@ -286,7 +494,11 @@ def _number_cases(root: Path, encoder: str) -> list[tuple[str, list[str], str]]:
     for name, argv in fast_commands(root, encoder).items():
         for option, action in _options(argv).items():
             kind = getattr(action.type, "__name__", "")
-            if not kind or kind in ("cache_folder", "adapter_kinds", "steering_objectives") or option != action.option_strings[0]:
+            if (
+                not kind
+                or kind in ("cache_folder", "adapter_kinds", "steering_objectives")
+                or option != action.option_strings[0]
+            ):
                 continue
             huge = [] if option in WORK_ONLY else ["1e308" if "float" in kind else "9" * 30]
             cases += [(name, _with(argv, option, value), value) for value in edges + huge]
@@ -300,7 +512,7 @@ def test_every_number_at_its_edges(cli, arena):
     root, encoder = arena
     pristine = digest_tree(root)
     outcomes = {0: 0, 2: 0}
-    for name, argv, value in _number_cases(root, encoder):
+    for name, argv, _ in _number_cases(root, encoder):
         code, out, err = cli(*argv, "--json") if "encode" not in name else cli(*argv)
         assert code in (0, 2), (argv, code, err[-2000:])
         outcomes[code] += 1
@@ -319,7 +531,7 @@ def test_numbers_at_their_edges_sampled(cli, arena):
     """The default run's share of the sweep above: 40 cases, drawn the same way each run."""
     root, encoder = arena
     cases = random.Random(0).sample(_number_cases(root, encoder), 40)
-    for name, argv, value in cases:
+    for name, argv, _ in cases:
         code, out, err = cli(*argv, "--json") if "encode" not in name else cli(*argv)
         assert code in (0, 2), (argv, code, err[-2000:])
         if code == 2:

@@ -39,8 +39,15 @@ def test_layout_reader_reads_each_side_from_where_it_is_written():
     # tokens 0 and 1 hold the left object's colour and shape one-hot and a "left" mark, tokens 2 and 3
     # the right's with a "right" mark: each query must find its own side's tokens to read them
     generator = torch.Generator().manual_seed(0)
-    labels = torch.stack([torch.randint(0, 6, (600,), generator=generator), torch.randint(0, 6, (600,), generator=generator),
-                          torch.randint(0, 3, (600,), generator=generator), torch.randint(0, 3, (600,), generator=generator)], 1)  # fmt: skip
+    labels = torch.stack(
+        [
+            torch.randint(0, 6, (600,), generator=generator),
+            torch.randint(0, 6, (600,), generator=generator),
+            torch.randint(0, 3, (600,), generator=generator),
+            torch.randint(0, 3, (600,), generator=generator),
+        ],
+        1,
+    )
     states = torch.zeros(600, 5, 20)
     for i, (c1, c2, s1, s2) in enumerate(labels.tolist()):
         states[i, 0, c1], states[i, 0, 18] = 1, 1  # a left-side colour token
@@ -79,27 +86,54 @@ def test_excite_is_diffusers_attend_and_excite(tiny_sd):
     reference = StableDiffusionAttendAndExcitePipeline(**{**parts, "unet": copy.deepcopy(parts["unet"])})
     reference.set_progress_bar_config(disable=True)
     thresholds = {0: 0.05, 2: 0.8}  # refinement at two of the steps, as A&E does at 0, 10 and 20 of 50
-    theirs = reference(PROMPT, token_indices=[3, 7], num_inference_steps=4, guidance_scale=7.5, max_iter_to_alter=3,
-                       thresholds=thresholds, scale_factor=20, attn_res=(16, 16), output_type="latent",
-                       generator=torch.Generator().manual_seed(0)).images  # fmt: skip
+    theirs = reference(
+        PROMPT,
+        token_indices=[3, 7],
+        num_inference_steps=4,
+        guidance_scale=7.5,
+        max_iter_to_alter=3,
+        thresholds=thresholds,
+        scale_factor=20,
+        attn_res=(16, 16),
+        output_type="latent",
+        generator=torch.Generator().manual_seed(0),
+    ).images
     settings = SteeringSettings(("excite",), scale=20, steps=3, resolution=16, thresholds=thresholds)
-    ours = steered_sd(pipe, PROMPT, Guide(excite=[[3], [7]]), settings, num_inference_steps=4, guidance_scale=7.5,
-                      generator=torch.Generator().manual_seed(0), output_type="latent")  # fmt: skip
-    plain = steered_sd(pipe, PROMPT, Guide(), settings, num_inference_steps=4, guidance_scale=7.5,
-                       generator=torch.Generator().manual_seed(0), output_type="latent")  # fmt: skip
+    ours = steered_sd(
+        pipe,
+        PROMPT,
+        Guide(excite=[[3], [7]]),
+        settings,
+        num_inference_steps=4,
+        guidance_scale=7.5,
+        generator=torch.Generator().manual_seed(0),
+        output_type="latent",
+    )
+    plain = steered_sd(
+        pipe,
+        PROMPT,
+        Guide(),
+        settings,
+        num_inference_steps=4,
+        guidance_scale=7.5,
+        generator=torch.Generator().manual_seed(0),
+        output_type="latent",
+    )
     assert float((ours - plain).norm() / plain.norm()) > 1e-3  # steering moved the sample
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("objective", ["excite", "bind", "layout"])
 def test_each_objective_falls_under_its_own_guidance(tiny_sd, objective):
-    from sdkit.trace import CrossAttentionTrace
     from sdkit.steering import Guide, Steerer, SteeringSettings
+    from sdkit.trace import CrossAttentionTrace
 
     pipe, _ = tiny_sd
     left = torch.zeros(16, 16)
     left[:, :8] = 1
-    guide = Guide(excite=[[3], [7]], bind=[([2], [3], [[7]]), ([6], [7], [[3]])], layout=[([2, 3], left), ([6, 7], 1 - left)])
+    guide = Guide(
+        excite=[[3], [7]], bind=[([2], [3], [[7]]), ([6], [7], [[3]])], layout=[([2, 3], left), ([6, 7], 1 - left)]
+    )
     settings = SteeringSettings((objective,), scale=5 if objective == "excite" else 200, steps=1, thresholds={})
     embeds, _ = pipe.encode_prompt(PROMPT, "cpu", 1, False)
     latents = torch.randn(1, 4, 32, 32, generator=torch.Generator().manual_seed(1))
@@ -157,11 +191,23 @@ def test_steering_refuses_what_cannot_be(tiny_sd):
     with pytest.raises(SdkitError, match="outside its 77 tokens"):
         check_guides([Guide(excite=[[80]])], 77)
     with pytest.raises(SdkitError, match="no cross-attention layer 'mid_block.nothing'"):
-        steered_sd(pipe, PROMPT, Guide(excite=[[3]]), SteeringSettings(layers=("mid_block.nothing",), steps=1),
-                   num_inference_steps=2, output_type="latent")  # fmt: skip
+        steered_sd(
+            pipe,
+            PROMPT,
+            Guide(excite=[[3]]),
+            SteeringSettings(layers=("mid_block.nothing",), steps=1),
+            num_inference_steps=2,
+            output_type="latent",
+        )
     with pytest.raises(SdkitError, match="works at 64x64"):
-        steered_sd(pipe, PROMPT, Guide(excite=[[3]]), SteeringSettings(resolution=64, steps=1), num_inference_steps=2,
-                   output_type="latent")  # fmt: skip
+        steered_sd(
+            pipe,
+            PROMPT,
+            Guide(excite=[[3]]),
+            SteeringSettings(resolution=64, steps=1),
+            num_inference_steps=2,
+            output_type="latent",
+        )
 
 
 @pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
@@ -209,7 +255,9 @@ class DenoisingPipe:
 
         self.spec, self.scheduler_config = MiniSDSpec(image_size=32), SCHEDULER_CONFIG
         self.captions: list[str] = []
-        self.unet = StandInUNet(self.captions, DDPMScheduler.from_config(SCHEDULER_CONFIG).alphas_cumprod, reads_caption)
+        self.unet = StandInUNet(
+            self.captions, DDPMScheduler.from_config(SCHEDULER_CONFIG).alphas_cumprod, reads_caption
+        )
 
     def encode(self, prompts):  # the states name each prompt by its index
         self.unet.pairs = self.unet.pairs or len(prompts)  # the captions come first
@@ -242,8 +290,12 @@ class StandInUNet(torch.nn.Module):
         noise = noise.repeat(len(sample) // self.pairs, 1, 1, 1)
         if self.reads_caption:
             alpha_bar = self.alphas_cumprod[t].view(-1, 1, 1, 1)
-            images = torch.stack([torch.from_numpy(to_model(render(parse_caption(self.captions[int(i)]), 32).image))
-                                  for i in encoder_hidden_states[:, 0, 0]])  # fmt: skip
+            images = torch.stack(
+                [
+                    torch.from_numpy(to_model(render(parse_caption(self.captions[int(i)]), 32).image))
+                    for i in encoder_hidden_states[:, 0, 0]
+                ]
+            )
             noise = (sample - alpha_bar.sqrt() * images) / (1 - alpha_bar).sqrt()
         return SimpleNamespace(sample=noise)
 
@@ -256,8 +308,9 @@ def test_caption_against_noise_tells_a_model_that_reads_the_caption_from_one_tha
     assert copies.pairs == sum(s.objects[0].colour != s.objects[1].colour for s in prompt_set("pairs", 16))
     assert copies.shares == {SOURCES[0]: [1.0] * 3, SOURCES[1]: [0.0] * 3} and copies.timesteps == [999, 500, 100]
     assert copies.intervals[SOURCES[1]][0] == [0.0, 0.0]
-    reads = caption_against_noise(DenoisingPipe(reads_caption=True), count=16, timesteps=(999, 500, 100),
-                                  guidance_scale=1.0)  # fmt: skip
+    reads = caption_against_noise(
+        DenoisingPipe(reads_caption=True), count=16, timesteps=(999, 500, 100), guidance_scale=1.0
+    )
     assert reads.shares == {SOURCES[0]: [1.0] * 3, SOURCES[1]: [1.0] * 3}
 
 
@@ -269,7 +322,9 @@ class DrawingPipe:
         from types import SimpleNamespace
 
         self.reads_relation = reads_relation
-        self._scheduler = SimpleNamespace(alphas_cumprod=torch.ones(1000), config=SimpleNamespace(prediction_type="epsilon"))
+        self._scheduler = SimpleNamespace(
+            alphas_cumprod=torch.ones(1000), config=SimpleNamespace(prediction_type="epsilon")
+        )
 
     def scheduler(self):
         return self._scheduler

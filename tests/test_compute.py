@@ -19,7 +19,7 @@ def counted(unet, height: int, width: int, tokens: int, batch: int = 1) -> dict[
     with FlopCounterMode(display=False) as counter, torch.no_grad():
         unet(x, 10, encoder_hidden_states=states)
     prefix = f"{type(unet).__name__}."
-    return {k[len(prefix):]: sum(v.values()) for k, v in counter.get_flop_counts().items() if k.startswith(prefix)}
+    return {k[len(prefix) :]: sum(v.values()) for k, v in counter.get_flop_counts().items() if k.startswith(prefix)}
 
 
 def check_by_module(unet, height, width, tokens, batch=1):
@@ -56,20 +56,27 @@ def test_sd15_flops_equal_flop_counter_at_a_small_latent():
 def test_sd15_at_512():
     c = compute("sd15", 512, 512)
     # GEGLU: 2 x cells x (C x 8C + 4C x C) per block; 5 blocks at each of 64, 32, 16 and one at 8 (mid)
-    mlp = sum(blocks * 2 * cells * 12 * width**2 for blocks, cells, width in
-              ((5, 4096, 320), (5, 1024, 640), (5, 256, 1280), (1, 64, 1280)))  # fmt: skip
+    mlp = sum(
+        blocks * 2 * cells * 12 * width**2
+        for blocks, cells, width in ((5, 4096, 320), (5, 1024, 640), (5, 256, 1280), (1, 64, 1280))
+    )
     assert c.roles["mlp"] == mlp == 153_511_526_400 and c.total == 803_273_441_280
     # Doubling the side: the convolutions' and MLP's work x4, self-attention's products x16.
     big = compute("sd15", 1024, 1024)
-    assert big.roles["mlp"] == 4 * c.roles["mlp"] and big.roles["self_attention.products"] == 16 * c.roles["self_attention.products"]
+    assert (
+        big.roles["mlp"] == 4 * c.roles["mlp"]
+        and big.roles["self_attention.products"] == 16 * c.roles["self_attention.products"]
+    )
     assert shares(c)["self_attention"] > shares(c)["mlp"]  # at 512 px already
     assert crossover_side("sd15") == 512 and crossover_side("sdxl") == 1632
     assert "803.27 GFLOPs" in format_compute(c)
     assert c.levels[1]["attention_bytes"]["self_scores"] == 8 * 4096 * 4096 * 2  # 8 heads of 4,096 x 4,096 in fp16
 
 
-@pytest.mark.parametrize("argv,words", [(["--height", "500"], "multiples of 8"), (["--height", "8"], "too small"),
-                                        (["--width", "0"], "must be positive")])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv,words",
+    [(["--height", "500"], "multiples of 8"), (["--height", "8"], "too small"), (["--width", "0"], "must be positive")],
+)
 def test_bad_sizes_are_refused(cli, argv, words):
     from tests.test_reliability import one_line
 

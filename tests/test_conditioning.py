@@ -194,8 +194,9 @@ def test_maps_per_prompt_are_each_prompts_own(tiny_unet, tmp_path):
     assert both.items == 2
     for i in range(2):
         for select in ({}, {"timesteps": [900]}, {"layers": [8]}, {"head": 1}, {"layers": [8], "timesteps": [100]}):
-            torch.testing.assert_close(both.token_maps(item=i, **select), alone[i].token_maps(item=0, **select),
-                                       rtol=1e-4, atol=1e-6)  # fmt: skip
+            torch.testing.assert_close(
+                both.token_maps(item=i, **select), alone[i].token_maps(item=0, **select), rtol=1e-4, atol=1e-6
+            )
         a, b = both.summary(item=i), alone[i].summary(item=0)
         for layer in a:
             assert a[layer]["spatial_spread"] == pytest.approx(b[layer]["spatial_spread"], rel=1e-4)

@@ -54,8 +54,15 @@ def launch(argv: list[str], processes: int) -> None:
     command = [sys.executable, "-m", "sdkit.cli", *argv]
     env = dict(ENV)
     if processes > 1:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
-                   "--standalone", *command[1:]]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(processes),
+            "--standalone",
+            *command[1:],
+        ]
         env["ACCELERATE_USE_CPU"] = "true"
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -68,8 +75,20 @@ def test_minisd_trains_on_two_processes_as_on_one(tmp_path):
     from sdkit.encoders import write_tiny_bert_encoder
 
     encoder = write_tiny_bert_encoder(tmp_path / "encoder", width=384)
-    common = ["minisd", "train", "--text-encoder", str(encoder), "--steps", "4", "--precision", "fp32", "--no-compile",
-              "--cache", str(tmp_path / "cache"), "--json"]  # fmt: skip
+    common = [
+        "minisd",
+        "train",
+        "--text-encoder",
+        str(encoder),
+        "--steps",
+        "4",
+        "--precision",
+        "fp32",
+        "--no-compile",
+        "--cache",
+        str(tmp_path / "cache"),
+        "--json",
+    ]
     launch([*common, "--batch-size", "8", "--out", str(tmp_path / "one")], 1)
     launch([*common, "--batch-size", "8", "--out", str(tmp_path / "two")], 2)
     launch([*common, "--batch-size", "4", "--out", str(tmp_path / "half")], 1)  # the control: half the batch
@@ -81,8 +100,10 @@ def test_minisd_trains_on_two_processes_as_on_one(tmp_path):
     one, two, half = weights("one"), weights("two"), weights("half")
     split, control = distance(two, one), distance(half, one)
     largest = max(float((two[k] - one[k]).abs().max() / one[k].abs().max()) for k in one)
-    print(f"\nmini SD, 4 steps: |2 processes - 1| {split:.3e}, |half the batch on 1 - 1| {control:.3e}, ratio "
-          f"{split / control:.1e} (largest element difference over its tensor's largest weight {largest:.1e})")
+    print(
+        f"\nmini SD, 4 steps: |2 processes - 1| {split:.3e}, |half the batch on 1 - 1| {control:.3e}, ratio "
+        f"{split / control:.1e} (largest element difference over its tensor's largest weight {largest:.1e})"
+    )
     assert split < TOLERANCE * control
 
 
@@ -93,10 +114,31 @@ def test_adapter_trains_on_two_processes_as_on_one(tmp_path, tiny_pair):
     is padded by accelerate with repeated tokens, another batch than one process's."""
     new, old = tiny_pair
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("\n".join(f"a {c} {a} on a {p}" for c in ("red", "blue", "green", "white")
-                                 for a in ("cat", "dog", "bird") for p in ("mat", "hill", "table")))  # fmt: skip
-    common = ["adapter", "train", "--new", new.source, "--old", old.source, "--corpus", str(prompts), "--kinds", "mlp",
-              "--epochs", "3", "--judge", "0", "--json"]  # fmt: skip
+    prompts.write_text(
+        "\n".join(
+            f"a {c} {a} on a {p}"
+            for c in ("red", "blue", "green", "white")
+            for a in ("cat", "dog", "bird")
+            for p in ("mat", "hill", "table")
+        )
+    )
+    common = [
+        "adapter",
+        "train",
+        "--new",
+        new.source,
+        "--old",
+        old.source,
+        "--corpus",
+        str(prompts),
+        "--kinds",
+        "mlp",
+        "--epochs",
+        "3",
+        "--judge",
+        "0",
+        "--json",
+    ]
     launch([*common, "--batch-size", "44", "--out", str(tmp_path / "one")], 1)
     launch([*common, "--batch-size", "22", "--out", str(tmp_path / "two")], 2)  # a step: 2 processes x 22
     launch([*common, "--batch-size", "22", "--out", str(tmp_path / "half")], 1)  # the control
@@ -111,6 +153,8 @@ def test_adapter_trains_on_two_processes_as_on_one(tmp_path, tiny_pair):
 
     split = max(difference("two", key) for key in ("val_rel_mse", "train_loss"))
     control = difference("half", "val_rel_mse")
-    print(f"\nadapter, 3 epochs: 2 processes vs 1, largest relative difference of the loss curves {split:.2e}; "
-          f"half the batch on 1: {control:.2e}")
+    print(
+        f"\nadapter, 3 epochs: 2 processes vs 1, largest relative difference of the loss curves {split:.2e}; "
+        f"half the batch on 1: {control:.2e}"
+    )
     assert split < TOLERANCE and control > 0.01

@@ -1,6 +1,6 @@
 """The mechanics of the findings on tiny models: scores against hand-made maps, the one-token
 conditions, and the localisation and generation runs end to end (numbers on trained weights are in
-the README, from scripts/findings.py)."""
+the docs, from scripts/findings.py)."""
 
 from pathlib import Path
 
@@ -29,7 +29,8 @@ def test_iou_and_auc_on_hand_made_maps():
     inside = ramp[mask]
     outside = ramp[~mask]
     expected = ((inside[:, None] > outside[None]).sum() + 0.5 * (inside[:, None] == outside[None]).sum()) / (
-        len(inside) * len(outside))  # fmt: skip
+        len(inside) * len(outside)
+    )
     assert auc(ramp, mask) == pytest.approx(expected)
     prior = centre_prior(8)
     assert prior.argmax() in (27, 28, 35, 36) and prior.max() == pytest.approx(prior[3, 3])
@@ -42,7 +43,11 @@ def test_words_are_matched_to_their_objects(tmp_path):
     scene = pair_scene(("red", "square"), "left of", ("red", "circle"), template=0)
     words = object_words(token_roles(tokenizer, scene.caption, 24), scene.objects)
     assert [(w["word"], w["kind"], w["object"]) for w in words] == [
-        ("red", "colour", 0), ("square", "shape", 0), ("red", "colour", 1), ("circle", "shape", 1)]  # fmt: skip
+        ("red", "colour", 0),
+        ("square", "shape", 0),
+        ("red", "colour", 1),
+        ("circle", "shape", 1),
+    ]
     single = single_scene("magenta", "triangle", "top", template=5)  # "a triangle colored magenta at the top"
     words = object_words(token_roles(tokenizer, single.caption, 24), single.objects)
     assert {(w["word"], w["object"]) for w in words} == {("triangle", 0), ("magenta", 0)}
@@ -57,15 +62,30 @@ def micro_pipes(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("findings")
     bert = load_text_encoder(write_tiny_bert_encoder(root / "bert", 32))
-    config = {"_class_name": "UNet2DConditionModel", "in_channels": 3, "out_channels": 3, "sample_size": 32,
-              "block_out_channels": [16, 32], "layers_per_block": 1, "norm_num_groups": 8, "attention_head_dim": 2,
-              "down_block_types": ["CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
-              "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D"], "cross_attention_dim": 32}  # fmt: skip
+    config = {
+        "_class_name": "UNet2DConditionModel",
+        "in_channels": 3,
+        "out_channels": 3,
+        "sample_size": 32,
+        "block_out_channels": [16, 32],
+        "layers_per_block": 1,
+        "norm_num_groups": 8,
+        "attention_head_dim": 2,
+        "down_block_types": ["CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+        "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D"],
+        "cross_attention_dim": 32,
+    }
     pipes = {}
     for conditioning in ("tokens", "pooled"):
         out = root / conditioning
-        train(out, bert, TrainSettings(steps=2, batch_size=4, warmup_steps=1, conditioning=conditioning, compile=False), config,
-              progress=False, cache_dir=None)  # fmt: skip
+        train(
+            out,
+            bert,
+            TrainSettings(steps=2, batch_size=4, warmup_steps=1, conditioning=conditioning, compile=False),
+            config,
+            progress=False,
+            cache_dir=None,
+        )
         pipes[conditioning] = MiniSDPipeline.from_pretrained(out, text_encoder=bert.source)
     return pipes
 
@@ -104,8 +124,23 @@ def test_findings_commands_run_on_a_micro_model(micro_pipes, cli, tmp_path):
     pooled = tmp_path / "pooled"
     micro_pipes["pooled"].save_pretrained(pooled)
     encoder = micro_pipes["tokens"].encoder.source
-    code, out, err = cli("condition", "--unet", folder, "--text-encoder", encoder, "--masks", "--count", "4",
-                         "--timesteps", "300,700", "--steps", "2", "--json", "--plot", tmp_path / "maps.png")  # fmt: skip
+    code, out, err = cli(
+        "condition",
+        "--unet",
+        folder,
+        "--text-encoder",
+        encoder,
+        "--masks",
+        "--count",
+        "4",
+        "--timesteps",
+        "300,700",
+        "--steps",
+        "2",
+        "--json",
+        "--plot",
+        tmp_path / "maps.png",
+    )
     assert code == 0, err
     reports = json.loads(out)["localization"]
     assert [r["images"] for r in reports] == ["generator", "generated"]
@@ -123,16 +158,38 @@ def test_findings_commands_run_on_a_micro_model(micro_pipes, cli, tmp_path):
     assert (tmp_path / "maps-generator.png").is_file()
     assert json.loads(out)["pictures"][0] == str(tmp_path / "maps-generator.png")
     assert all(Path(p).is_file() for p in json.loads(out)["pictures"])
-    code, out, err = cli("condition", "--unet", folder, "--text-encoder", encoder, "--generate", "--count", "2",
-                         "--steps", "2", "--pooled-model", pooled, "--json", "--plot", tmp_path / "tokens.png")  # fmt: skip
+    code, out, err = cli(
+        "condition",
+        "--unet",
+        folder,
+        "--text-encoder",
+        encoder,
+        "--generate",
+        "--count",
+        "2",
+        "--steps",
+        "2",
+        "--pooled-model",
+        pooled,
+        "--json",
+        "--plot",
+        tmp_path / "tokens.png",
+    )
     assert code == 0, err
     comparison = json.loads(out)
     results = comparison["results"]
     text = format_token_comparison(TokenComparison(**comparison))
     assert "A model trained on the pooled state only" in text
     assert max(len(line) for line in text.splitlines() if str(folder) not in line) <= 120
-    assert set(results) == {"tokens", "pooled", "eos", "pooled repeated", "words only", "bos only",
-                            "pooled-trained model"}  # fmt: skip
+    assert set(results) == {
+        "tokens",
+        "pooled",
+        "eos",
+        "pooled repeated",
+        "words only",
+        "bos only",
+        "pooled-trained model",
+    }
     assert (tmp_path / "tokens.png").read_bytes()[:4] == b"\x89PNG"
     code, _, err = cli("condition", "--unet", "tiny", "--masks")
     assert code == 2 and "mini SD folder" in err
@@ -148,14 +205,29 @@ def test_adapters_drive_the_mini_sd_with_the_right_widths(micro_pipes, tmp_path)
     old = load_text_encoder(pipe.encoder.source, context_length=pipe.spec.max_length)
     prompts = training_captions(120)
     assert not any(p in {"a red triangle at the bottom right"} for p in prompts)  # no held-out combination
-    report = compare_adapters(new, old, prompts, ("linear", "mixer"), TrainConfig(max_epochs=2), pipe.unet, "micro",
-                              out_dir=tmp_path / "out", progress=False)  # fmt: skip
+    report = compare_adapters(
+        new,
+        old,
+        prompts,
+        ("linear", "mixer"),
+        TrainConfig(max_epochs=2),
+        pipe.unet,
+        "micro",
+        out_dir=tmp_path / "out",
+        progress=False,
+    )
     mixer = load_adapter(tmp_path / "out" / "mixer")
     assert (mixer.config.in_dim, mixer.config.out_dim, mixer.config.kind) == (48, 32, "mixer")
     with torch.no_grad():  # the saved (folded) mixer computes what the trained one did
         states, real = new.encode(prompts[:3]), new.real_mask(prompts[:3])
         torch.testing.assert_close(mixer(states, real), report.adapters["mixer"](states, real), rtol=1e-4, atol=1e-4)
-    judged = judge_adapters(pipe, new, {k: report.adapters[k] for k in ("width_only", "linear", "mixer")},
-                            sets=("singles",), count=2, steps=2)  # fmt: skip
+    judged = judge_adapters(
+        pipe,
+        new,
+        {k: report.adapters[k] for k in ("width_only", "linear", "mixer")},
+        sets=("singles",),
+        count=2,
+        steps=2,
+    )
     assert set(judged["results"]) == {"native", "width_only", "linear", "mixer"}
     assert all(v is None or 0 <= v <= 1 for r in judged["results"].values() for v in r["singles"].values())

@@ -4,8 +4,21 @@ import math
 import pytest
 import torch
 
-from sdkit.memory import (PUBLISHED, MemoryReport, Store, analytic_capacity, cosine_moment, crossing, exhaustive,
-                          format_report, measure_curve, memory_grid, real_key_capacity, sd_levels, streamed)  # fmt: skip
+from sdkit.memory import (
+    PUBLISHED,
+    MemoryReport,
+    Store,
+    analytic_capacity,
+    cosine_moment,
+    crossing,
+    exhaustive,
+    format_report,
+    measure_curve,
+    memory_grid,
+    real_key_capacity,
+    sd_levels,
+    streamed,
+)
 
 
 def test_published_figures_are_the_closed_forms_at_d_64():
@@ -103,6 +116,14 @@ def test_stores_draw_the_same_keys_in_every_process():
     import sys
 
     code = "from sdkit.memory import Store; print(Store(16, seed=3).rows('keys', 0, 5).sum().item())"
-    runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                           env={**__import__("os").environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}  # fmt: skip
+    runs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**__import__("os").environ, "PYTHONHASHSEED": seed},
+        ).stdout
+        for seed in ("1", "2")
+    }
     assert len(runs) == 1

@@ -11,9 +11,24 @@ import torch
 from safetensors.torch import load_file
 
 from sdkit.common import SdkitError
-from sdkit.minisd.data import (BACKGROUND, CELLS, HELD_OUT_PAIRS, HELD_OUT_SINGLES, JITTER, RADIUS, all_captions,
-                               colour_rgb, pair_scene, SHAPES, random_scene, render, sample_at, shape_coverage,
-                               single_scene, to_model)  # fmt: skip
+from sdkit.minisd.data import (
+    BACKGROUND,
+    CELLS,
+    HELD_OUT_PAIRS,
+    HELD_OUT_SINGLES,
+    JITTER,
+    RADIUS,
+    SHAPES,
+    all_captions,
+    colour_rgb,
+    pair_scene,
+    random_scene,
+    render,
+    sample_at,
+    shape_coverage,
+    single_scene,
+    to_model,
+)
 from sdkit.minisd.evaluate import BLUR_NOISE, BLUR_PIXELS, blurred
 from sdkit.minisd.judge import accuracy, classify_shape, find_objects, judge, min_object_pixels, shape_moments
 from sdkit.minisd.pipeline import MiniSDPipeline, pool_states
@@ -32,8 +47,10 @@ def test_masks_match_the_images(side):
         for mask, obj in zip(sample.masks, sample.scene.objects):
             # Every object lies inside its grid cell, where each pixel is
             # background * (1 - a) + colour * a; the mask is a >= 1/2 there and empty elsewhere.
-            cell = (slice(obj.row * side // 3, (obj.row + 1) * side // 3 + 1),
-                    slice(obj.column * side // 3, (obj.column + 1) * side // 3 + 1))  # fmt: skip
+            cell = (
+                slice(obj.row * side // 3, (obj.row + 1) * side // 3 + 1),
+                slice(obj.column * side // 3, (obj.column + 1) * side // 3 + 1),
+            )
             outside = np.ones_like(mask)
             outside[cell] = False
             assert not mask[outside].any()
@@ -58,10 +75,13 @@ def test_drawing_each_objects_box_is_drawing_every_point():
                 jitter = random.Random(k)
                 drawn = render(single_scene("red", shape, list(CELLS)[k]), side, random.Random(k))
                 jx, jy = jitter.uniform(-JITTER, JITTER) * side, jitter.uniform(-JITTER, JITTER) * side
-                inside = shape_coverage(shape, x, y, (column + 0.5) * side / 3 + jx, (row + 0.5) * side / 3 + jy,
-                                        RADIUS * side)  # fmt: skip
+                inside = shape_coverage(
+                    shape, x, y, (column + 0.5) * side / 3 + jx, (row + 0.5) * side / 3 + jy, RADIUS * side
+                )
                 alpha = inside.reshape(side, 4, side, 4).mean(axis=(1, 3)).astype(np.float32)[..., None]
-                every_point = np.array(BACKGROUND, np.float32) * (1 - alpha) + np.array(colour_rgb("red"), np.float32) * alpha
+                every_point = (
+                    np.array(BACKGROUND, np.float32) * (1 - alpha) + np.array(colour_rgb("red"), np.float32) * alpha
+                )
                 assert np.array_equal(drawn.image, every_point.astype(np.float32)), (side, shape, k)
                 assert np.array_equal(drawn.masks[0], alpha[..., 0] >= 0.5)
 
@@ -108,8 +128,9 @@ def test_shape_moments_are_those_of_the_shapes():
     assert shape_moments(disc.astype(float))[0] == pytest.approx(0, abs=2e-4)
     blurred_square = blurred(np.repeat(square[..., None], 3, -1).astype(np.float32), 6.0, 0.0, seed=0)[..., 0]
     assert shape_moments(blurred_square)[0] == pytest.approx(-1 / 60, rel=0.02)  # cumulants above 2 survive blur
-    assert {s: classify_shape(shape_coverage(s, x, y, 200, 200, 60).astype(float))[0] for s in SHAPES} == \
-        {s: s for s in SHAPES}  # fmt: skip
+    assert {s: classify_shape(shape_coverage(s, x, y, 200, 200, 60).astype(float))[0] for s in SHAPES} == {
+        s: s for s in SHAPES
+    }
 
 
 def test_judge_fails_what_is_not_there():
@@ -131,7 +152,13 @@ def test_judge_counts_objects():
     third = render(single_scene("red", "triangle", "top"), 32)
     crowded = np.where(third.masks[0][..., None], third.image, crowded)
     verdict = judge(crowded, scene)
-    assert (verdict.colour, verdict.position, verdict.shape, verdict.extra, verdict.all) == (True, True, True, True, False)
+    assert (verdict.colour, verdict.position, verdict.shape, verdict.extra, verdict.all) == (
+        True,
+        True,
+        True,
+        True,
+        False,
+    )
     assert len(verdict.found) == 3
     # A speck of a few pixels (a model's colour fringe) is not an object; half the smallest shape is.
     speck = render(scene, 32).image.copy()
@@ -145,12 +172,24 @@ def test_judge_counts_objects():
     assert acc["bound"] == 0 and acc["position_if_bound"] is None
 
 
-@pytest.mark.parametrize("field,value", [("pair_fraction", 1.5), ("empty_fraction", -0.1), ("context_length", 0),
-                                         ("lr", float("nan")), ("conditioning", "words"),
-                                         ("grounding_weight", -1.0), ("relation_weight", float("inf")),
-                                         ("attention_loss_from", 1000), ("swap_fraction", 1.5),
-                                         ("swap_from", -1), ("timestep_bias", 0.0), ("timestep_bias", -2.0),
-                                         ("timestep_bias_from", 1000)])  # fmt: skip
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("pair_fraction", 1.5),
+        ("empty_fraction", -0.1),
+        ("context_length", 0),
+        ("lr", float("nan")),
+        ("conditioning", "words"),
+        ("grounding_weight", -1.0),
+        ("relation_weight", float("inf")),
+        ("attention_loss_from", 1000),
+        ("swap_fraction", 1.5),
+        ("swap_from", -1),
+        ("timestep_bias", 0.0),
+        ("timestep_bias", -2.0),
+        ("timestep_bias_from", 1000),
+    ],
+)
 def test_training_settings_refuse_what_cannot_be(field, value):
     TrainSettings().check()
     with pytest.raises(SdkitError, match=field.split("_")[0]):
@@ -162,13 +201,38 @@ def test_the_train_command_defaults_are_the_recipe():
     from sdkit.cli.minisd import train_settings
 
     assert train_settings(build_parser().parse_args(["minisd", "train"])) == TrainSettings()
-    options = ["--grounding-weight", "0.25", "--relation-weight", "0.5", "--attention-loss-from", "600",
-               "--no-zero-terminal-snr", "--swap-fraction", "0.5", "--swap-from", "700", "--no-place-embeddings",
-               "--timestep-bias", "1", "--timestep-bias-from", "950", "--lr-schedule", "constant"]  # fmt: skip
+    options = [
+        "--grounding-weight",
+        "0.25",
+        "--relation-weight",
+        "0.5",
+        "--attention-loss-from",
+        "600",
+        "--no-zero-terminal-snr",
+        "--swap-fraction",
+        "0.5",
+        "--swap-from",
+        "700",
+        "--no-place-embeddings",
+        "--timestep-bias",
+        "1",
+        "--timestep-bias-from",
+        "950",
+        "--lr-schedule",
+        "constant",
+    ]
     assert train_settings(build_parser().parse_args(["minisd", "train", *options])) == TrainSettings(
-        grounding_weight=0.25, relation_weight=0.5, attention_loss_from=600, zero_terminal_snr=False,
-        swap_fraction=0.5, swap_from=700, place_embeddings=False, timestep_bias=1.0, timestep_bias_from=950,
-        lr_schedule="constant")
+        grounding_weight=0.25,
+        relation_weight=0.5,
+        attention_loss_from=600,
+        zero_terminal_snr=False,
+        swap_fraction=0.5,
+        swap_from=700,
+        place_embeddings=False,
+        timestep_bias=1.0,
+        timestep_bias_from=950,
+        lr_schedule="constant",
+    )
 
 
 def test_the_learning_rate_warms_up_then_decays_or_holds():
@@ -178,7 +242,9 @@ def test_the_learning_rate_warms_up_then_decays_or_holds():
     assert [learning_rate(s, cosine) for s in (0, 49, 99)] == pytest.approx([1e-5, 5e-4, 1e-3])
     assert [learning_rate(s, cosine) for s in (100, 600, 1100)] == pytest.approx([1e-3, 5e-4, 0.0], abs=1e-12)
     constant = replace(cosine, lr_schedule="constant")
-    assert [learning_rate(s, constant) for s in (0, 49, 100, 600, 1099)] == pytest.approx([1e-5, 5e-4, 1e-3, 1e-3, 1e-3])
+    assert [learning_rate(s, constant) for s in (0, 49, 100, 600, 1099)] == pytest.approx(
+        [1e-5, 5e-4, 1e-3, 1e-3, 1e-3]
+    )
     with pytest.raises(SdkitError, match="unknown lr_schedule 'linear'"):
         replace(cosine, lr_schedule="linear").check()
 
@@ -221,32 +287,44 @@ def ablation_script():
 def test_every_ablation_row_is_selectable_and_changes_one_thing():
     ablate = ablation_script()
     assert ",".join(ablate.ROWS).split(",") == list(ablate.ROWS)  # --rows is comma-separated
-    sd = TrainSettings(steps=1600, zero_terminal_snr=False, place_embeddings=False, timestep_bias=1.0)  # SD 1.x's recipe
+    sd = TrainSettings(
+        steps=1600, zero_terminal_snr=False, place_embeddings=False, timestep_bias=1.0
+    )  # SD 1.x's recipe
     baseline, config, encoder, layer = ablate.row_settings("baseline", 1600)
     assert baseline == sd and (encoder, layer) == ("all-MiniLM-L6-v2", "last")
     assert ablate.row_settings("penultimate layer", 1600) == (baseline, config, encoder, "penultimate")
     assert ablate.row_settings("6000 steps", 1600)[0] == replace(sd, steps=6000)
     assert ablate.row_settings("pairs 75 %", 1600)[0] == replace(sd, pair_fraction=0.75)
     assert ablate.row_settings("mpnet encoder", 1600)[1] == {**config, "cross_attention_dim": 768}
-    assert ablate.row_settings("grounding + coordinates", 1600)[0] == replace(sd, grounding_weight=1.0, coordinates=True)
-    assert ablate.row_settings("zero terminal SNR 6000 steps", 1600)[0] == replace(sd, steps=6000, zero_terminal_snr=True)
+    assert ablate.row_settings("grounding + coordinates", 1600)[0] == replace(
+        sd, grounding_weight=1.0, coordinates=True
+    )
+    assert ablate.row_settings("zero terminal SNR 6000 steps", 1600)[0] == replace(
+        sd, steps=6000, zero_terminal_snr=True
+    )
     assert ablate.row_settings("place embeddings + swapped pairs", 1600)[0] == replace(
-        sd, place_embeddings=True, swap_fraction=0.5, swap_from=600)
+        sd, place_embeddings=True, swap_fraction=0.5, swap_from=600
+    )
     # the shipped recipe: the defaults
     recipe = "zero terminal SNR + place embeddings + later timesteps"
     assert ablate.row_settings(f"{recipe} x3 3600 steps", 1600)[0] == TrainSettings()
     # ... in bfloat16, from other seeds, and both
     assert ablate.row_settings(f"{recipe} x3 3600 steps bfloat16", 1600)[0] == TrainSettings(precision="bf16")
-    assert ablate.row_settings(f"{recipe} x3 3600 steps bfloat16 float32 ends", 1600)[0] == \
-        TrainSettings(precision="bf16-fp32-ends")  # fmt: skip
+    assert ablate.row_settings(f"{recipe} x3 3600 steps bfloat16 float32 ends", 1600)[0] == TrainSettings(
+        precision="bf16-fp32-ends"
+    )
     assert ablate.row_settings(f"{recipe} x3 3600 steps seed 1", 1600)[0] == TrainSettings(seed=1)
-    assert ablate.row_settings(f"{recipe} x3 3600 steps seed 1 bfloat16", 1600)[0] == TrainSettings(seed=1, precision="bf16")
-    assert ablate.row_settings(f"{recipe} x3 3600 steps seed 1 bfloat16 float32 ends", 1600)[0] == \
-        TrainSettings(seed=1, precision="bf16-fp32-ends")  # fmt: skip
+    assert ablate.row_settings(f"{recipe} x3 3600 steps seed 1 bfloat16", 1600)[0] == TrainSettings(
+        seed=1, precision="bf16"
+    )
+    assert ablate.row_settings(f"{recipe} x3 3600 steps seed 1 bfloat16 float32 ends", 1600)[0] == TrainSettings(
+        seed=1, precision="bf16-fp32-ends"
+    )
     for seed in (2, 3):
         assert ablate.row_settings(f"{recipe} x3 3600 steps seed {seed}", 1600)[0] == TrainSettings(seed=seed)
-        assert ablate.row_settings(f"{recipe} x3 3600 steps seed {seed} bfloat16 float32 ends", 1600)[0] == \
-            TrainSettings(seed=seed, precision="bf16-fp32-ends")  # fmt: skip
+        assert ablate.row_settings(f"{recipe} x3 3600 steps seed {seed} bfloat16 float32 ends", 1600)[
+            0
+        ] == TrainSettings(seed=seed, precision="bf16-fp32-ends")
     # the recipe shipped before it, with three times the bias, at the rows' budget and others
     x9 = replace(TrainSettings(), timestep_bias=9.0)
     assert ablate.row_settings(f"{recipe} x9", 1600)[0] == replace(x9, steps=1600)
@@ -267,8 +345,11 @@ def test_an_ablation_row_is_judged_from_a_model_trained_with_its_settings_only(b
     assert ablate.trained_as_row(tmp_path / "ck" / "model", record) == "it is a checkpoint's model, step 2 of 2"
     trained = ablate.trained_as_row(tmp_path / "model", record)
     recorded = json.loads((tmp_path / "model" / "minisd.json").read_text())["training"]
-    assert trained == {"settings": recorded["settings"], "train_seconds": recorded["total_seconds"],
-                       "samples_per_second": recorded["samples_per_second"]}  # fmt: skip
+    assert trained == {
+        "settings": recorded["settings"],
+        "train_seconds": recorded["total_seconds"],
+        "samples_per_second": recorded["samples_per_second"],
+    }
     # a record written before "total_seconds": the history's last entry, which counts every process
     spec_file = tmp_path / "model" / "minisd.json"
     older = json.loads(spec_file.read_text())
@@ -276,14 +357,20 @@ def test_an_ablation_row_is_judged_from_a_model_trained_with_its_settings_only(b
     older["training"]["history"][-1]["seconds"] = 123.0
     spec_file.write_text(json.dumps(older))
     assert ablate.trained_as_row(tmp_path / "model", record)["train_seconds"] == 123.0
-    assert ablate.trained_as_row(tmp_path / "model", {**record, "settings": asdict(replace(settings, steps=3))}) == \
-        "trained with other settings"  # fmt: skip
+    assert (
+        ablate.trained_as_row(tmp_path / "model", {**record, "settings": asdict(replace(settings, steps=3))})
+        == "trained with other settings"
+    )
     assert ablate.trained_as_row(tmp_path / "model", {**record, "layer": "penultimate"}).endswith("last layer")
     # the row at "auto" above took the float32 run; a row that names bfloat16 does not
-    assert ablate.trained_as_row(tmp_path / "model", {**record, "settings": asdict(replace(settings, precision="bf16"))}) == \
-        "trained with other settings"  # fmt: skip
-    assert ablate.trained_as_row(tmp_path / "model", {**record, "unet": {**config, "cross_attention_dim": 1}}) == \
-        "another U-Net config"  # fmt: skip
+    assert (
+        ablate.trained_as_row(tmp_path / "model", {**record, "settings": asdict(replace(settings, precision="bf16"))})
+        == "trained with other settings"
+    )
+    assert (
+        ablate.trained_as_row(tmp_path / "model", {**record, "unet": {**config, "cross_attention_dim": 1}})
+        == "another U-Net config"
+    )
     (tmp_path / "model" / "unet" / "config.json").unlink()
     assert ablate.trained_as_row(tmp_path / "model", record) == "it has no unet/config.json"
     with pytest.raises(SdkitError, match="minisd.json"):  # not a mini SD folder: main prints it, exit 2
@@ -297,8 +384,18 @@ def test_an_ablation_row_is_judged_from_a_model_trained_with_its_settings_only(b
 def test_trained_without_rows_runs_only_its_row(tmp_path, monkeypatch, capsys):
     # every other row, unjudged in a fresh JSON, would load its encoder (absent here) and train
     results = tmp_path / "ablation.json"
-    monkeypatch.setattr("sys.argv", ["ablate_minisd.py", "--json", str(results), "--encoders-dir", str(tmp_path),
-                                     "--trained", f"context 77={tmp_path / 'nothing'}"])  # fmt: skip
+    monkeypatch.setattr(
+        "sys.argv",
+        [
+            "ablate_minisd.py",
+            "--json",
+            str(results),
+            "--encoders-dir",
+            str(tmp_path),
+            "--trained",
+            f"context 77={tmp_path / 'nothing'}",
+        ],
+    )
     assert ablation_script().main() == 2
     assert capsys.readouterr().err.startswith(f"context 77: {tmp_path / 'nothing'}: not a mini SD folder")
     assert not results.exists()
@@ -313,8 +410,18 @@ def test_trained_judges_an_already_judged_row_again_from_its_folder(tmp_path, mo
     judged = {"settings": asdict(settings), "unet": config, "text_encoder": encoder, "count": 64, "layer": layer}
     results.write_text(json.dumps({"rows": {"context 77": judged}}))
     # the folder is read (it used to be passed over with "already judged, kept"): not a model, so refused
-    monkeypatch.setattr("sys.argv", ["ablate_minisd.py", "--json", str(results), "--encoders-dir", str(tmp_path),
-                                     "--trained", f"context 77={tmp_path / 'nothing'}"])  # fmt: skip
+    monkeypatch.setattr(
+        "sys.argv",
+        [
+            "ablate_minisd.py",
+            "--json",
+            str(results),
+            "--encoders-dir",
+            str(tmp_path),
+            "--trained",
+            f"context 77={tmp_path / 'nothing'}",
+        ],
+    )
     assert ablate.main() == 2
     assert capsys.readouterr().err.startswith(f"context 77: {tmp_path / 'nothing'}: not a mini SD folder")
     assert json.loads(results.read_text()) == {"rows": {"context 77": judged}}
@@ -328,7 +435,9 @@ def test_a_bert_encoders_penultimate_layer_is_its_second_last_hidden_state(bert,
     prompts = ["a red circle at the top left", "a blue square to the left of a green triangle"]
     tokens = bert.tokenize(prompts, padding="longest")
     with torch.no_grad():
-        hidden = bert.model(tokens["input_ids"], attention_mask=tokens["attention_mask"], output_hidden_states=True).hidden_states
+        hidden = bert.model(
+            tokens["input_ids"], attention_mask=tokens["attention_mask"], output_hidden_states=True
+        ).hidden_states
     states = penultimate.encode(prompts)
     length = tokens["input_ids"].shape[1]
     assert states.shape == (2, 24, bert.width) and not states[:, length:].any()
@@ -352,8 +461,10 @@ def _settings(**kw):
     return TrainSettings(**{"steps": 2, "batch_size": 4, "warmup_steps": 1, "compile": False, **kw})
 
 
-@pytest.mark.parametrize("precision,compile", [("bf16", False), ("bf16-fp32-ends", False), ("fp32", False),
-                                               pytest.param("auto", True, marks=pytest.mark.slow)])  # fmt: skip
+@pytest.mark.parametrize(
+    "precision,compile",
+    [("bf16", False), ("bf16-fp32-ends", False), ("fp32", False), pytest.param("auto", True, marks=pytest.mark.slow)],
+)
 def test_training_saves_resumes_and_reloads_bit_exactly(bert, tmp_path, precision, compile):
     config = micro_config(bert.width)
 
@@ -363,7 +474,9 @@ def test_training_saves_resumes_and_reloads_bit_exactly(bert, tmp_path, precisio
     whole = train(tmp_path / "whole", bert, settings(), config, tmp_path / "ck-whole", 1, tmp_path / "cache", False)
     assert whole.resumed_from == 0 and len(whole.history) == 1
     with pytest.raises(Interrupted):
-        train(tmp_path / "cut", bert, settings(), config, tmp_path / "ck-cut", 1, tmp_path / "cache", False, stop_after=1)
+        train(
+            tmp_path / "cut", bert, settings(), config, tmp_path / "ck-cut", 1, tmp_path / "cache", False, stop_after=1
+        )
     assert not (tmp_path / "cut").exists()  # nothing half-written
     # but the run so far is a model folder beside its checkpoint, to judge or sample while it goes on
     so_far = MiniSDPipeline.from_pretrained(tmp_path / "ck-cut" / "model", text_encoder=bert.source)
@@ -374,8 +487,11 @@ def test_training_saves_resumes_and_reloads_bit_exactly(bert, tmp_path, precisio
     assert whole.total_seconds == whole.seconds and resumed.total_seconds > resumed.seconds > 0
     assert resumed.total_seconds - resumed.seconds < resumed.history[-1]["seconds"] <= resumed.total_seconds
     recorded = json.loads((tmp_path / "cut" / "minisd.json").read_text())["training"]
-    assert (recorded["resumed_from_step"], recorded["seconds"], recorded["total_seconds"]) == \
-        (1, round(resumed.seconds, 1), round(resumed.total_seconds, 1))  # fmt: skip
+    assert (recorded["resumed_from_step"], recorded["seconds"], recorded["total_seconds"]) == (
+        1,
+        round(resumed.seconds, 1),
+        round(resumed.total_seconds, 1),
+    )
     a = load_file(tmp_path / "whole" / "unet" / "diffusion_pytorch_model.safetensors")
     b = load_file(tmp_path / "cut" / "unet" / "diffusion_pytorch_model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -383,7 +499,9 @@ def test_training_saves_resumes_and_reloads_bit_exactly(bert, tmp_path, precisio
     assert all(torch.equal(p, a[n]) for n, p in pipe.unet.state_dict().items())
     # the last checkpoint's model is the run's, and the step-1 one is not
     last = MiniSDPipeline.from_pretrained(tmp_path / "ck-whole" / "model", text_encoder=bert.source)
-    assert last.spec.training["checkpoint_step"] == 2 and all(torch.equal(p, a[n]) for n, p in last.unet.state_dict().items())
+    assert last.spec.training["checkpoint_step"] == 2 and all(
+        torch.equal(p, a[n]) for n, p in last.unet.state_dict().items()
+    )
     assert not all(torch.equal(p, a[n]) for n, p in so_far.unet.state_dict().items())
     spec = json.loads((tmp_path / "whole" / "minisd.json").read_text())
     assert spec["conditioning"] == "tokens" and spec["training"]["settings"]["steps"] == 2
@@ -405,7 +523,7 @@ def test_auto_precision_is_float32_on_any_cpu_and_never_plain_bfloat16(monkeypat
     assert resolve_precision("bf16", torch.device("cpu")) == "bf16"
     # a GPU with bfloat16 gets it with the ends in float32, where plain bfloat16's gradient was furthest off
     for supported, expected in ((True, "bf16-fp32-ends"), (False, "fp32")):
-        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: supported)
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda supported=supported: supported)
         assert resolve_precision("auto", torch.device("cuda")) == expected
     assert resolve_precision("bf16", torch.device("cuda")) == "bf16"
 
@@ -417,7 +535,9 @@ def test_ends_in_float32_runs_the_first_and_last_layers_in_float32_under_autocas
     def output_dtypes(unet):
         dtypes = {}
         for name in ("conv_in", "time_embedding", "conv_norm_out", "conv_out", "down_blocks.0.resnets.0.conv1"):
-            unet.get_submodule(name).register_forward_hook(lambda m, a, out, name=name: dtypes.__setitem__(name, out.dtype))
+            unet.get_submodule(name).register_forward_hook(
+                lambda m, a, out, name=name: dtypes.__setitem__(name, out.dtype)
+            )
         with torch.autocast("cpu", dtype=torch.bfloat16):
             unet(torch.randn(2, 3, 32, 32), torch.tensor([10, 900]), torch.randn(2, 5, bert.width))
         return dtypes
@@ -441,10 +561,15 @@ def test_ends_in_float32_runs_the_first_and_last_layers_in_float32_under_autocas
 def test_float32_training_compiles_blocks_of_two_shapes(bert, tmp_path):
     # Blocks of two shapes share one forward: compiled symbolically, inductor (torch 2.13) failed
     # on float32 attention at the second shape, so every run on a CPU without AMX crashed.
-    config = {**micro_config(bert.width), "block_out_channels": [16, 32, 32],
-              "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
-              "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"]}  # fmt: skip
-    result = train(tmp_path / "model", bert, _settings(precision="fp32", compile=True), config, cache_dir=None, progress=False)
+    config = {
+        **micro_config(bert.width),
+        "block_out_channels": [16, 32, 32],
+        "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+        "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
+    }
+    result = train(
+        tmp_path / "model", bert, _settings(precision="fp32", compile=True), config, cache_dir=None, progress=False
+    )
     assert result.settings["precision"] == "fp32" and math.isfinite(result.history[-1]["loss"])
 
 
@@ -474,8 +599,9 @@ def test_progress_moves_at_every_step_and_ends_on_its_total(micro_model, bert):
 
     pipe = MiniSDPipeline.from_pretrained(micro_model, text_encoder=bert.source)
     count = Count()
-    pipe(["a red circle at the top left"] * 5, num_inference_steps=7, seeds=list(range(5)), batch_size=3,
-         progress=count)  # fmt: skip
+    pipe(
+        ["a red circle at the top left"] * 5, num_inference_steps=7, seeds=list(range(5)), batch_size=3, progress=count
+    )
     assert len(count.updates) == 2 * 7  # each step of each batch (3 + 2 images)
     assert sum(count.updates) == 5  # exactly: sevenths summed as floats give 4.999999999999999
 
@@ -489,8 +615,14 @@ def test_the_step_callback_sees_each_batch_and_what_the_scheduler_steps_with(mic
         last[first_image] = (timestep, sample.clone(), prediction.clone())
 
     prompts = ["a red circle at the top left"] * 5
-    images = pipe(prompts, num_inference_steps=2, seeds=list(range(5)), batch_size=3, output_type="pt",
-                  callback_on_step_end=record).images  # fmt: skip
+    images = pipe(
+        prompts,
+        num_inference_steps=2,
+        seeds=list(range(5)),
+        batch_size=3,
+        output_type="pt",
+        callback_on_step_end=record,
+    ).images
     scheduler = pipe.scheduler()
     scheduler.set_timesteps(2)
     t0, t1 = (int(t) for t in scheduler.timesteps)
@@ -510,17 +642,50 @@ def test_pooled_model_reads_one_key_value(bert, tmp_path):
 
 def test_cli_sample_and_eval(micro_model, bert, cli, tmp_path):
     png = tmp_path / "grid.png"
-    code, out, err = cli("minisd", "sample", "a red circle at the top", "--model", micro_model, "--text-encoder",
-                         bert.source, "--seeds", "2", "--steps", "2", "--out", png)
+    code, out, err = cli(
+        "minisd",
+        "sample",
+        "a red circle at the top",
+        "--model",
+        micro_model,
+        "--text-encoder",
+        bert.source,
+        "--seeds",
+        "2",
+        "--steps",
+        "2",
+        "--out",
+        png,
+    )
     assert code == 0, err
     assert f"({micro_model}: ddim 2 steps" in out  # a finished run's model: no checkpoint note
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    code, out, err = cli("minisd", "eval", "--model", micro_model, "--text-encoder", bert.source, "--count", "2",
-                         "--sets", "singles,pairs", "--steps", "2", "--json", "--panel", tmp_path / "panel.png")
+    code, out, err = cli(
+        "minisd",
+        "eval",
+        "--model",
+        micro_model,
+        "--text-encoder",
+        bert.source,
+        "--count",
+        "2",
+        "--sets",
+        "singles,pairs",
+        "--steps",
+        "2",
+        "--json",
+        "--panel",
+        tmp_path / "panel.png",
+    )
     assert code == 0, err
     report = json.loads(out)
-    assert set(report["results"]) == {"model", "judge on generator images", "judge, blurred generator images",
-                                      "empty prompt", "untrained"}  # fmt: skip
+    assert set(report["results"]) == {
+        "model",
+        "judge on generator images",
+        "judge, blurred generator images",
+        "empty prompt",
+        "untrained",
+    }
     assert report["results"]["judge on generator images"]["singles"]["all"] == 1.0
     assert (tmp_path / "panel.png").is_file()
     code, _, err = cli("minisd", "eval", "--model", tmp_path / "nothing")
@@ -529,11 +694,23 @@ def test_cli_sample_and_eval(micro_model, bert, cli, tmp_path):
 
 def test_a_checkpoints_model_says_it_is_one(bert, cli, tmp_path):
     with pytest.raises(Interrupted):
-        train(tmp_path / "run", bert, _settings(), micro_config(bert.width), tmp_path / "ck", 1, None, False, stop_after=1)
+        train(
+            tmp_path / "run", bert, _settings(), micro_config(bert.width), tmp_path / "ck", 1, None, False, stop_after=1
+        )
     model = tmp_path / "ck" / "model"
     common = ["--model", model, "--text-encoder", bert.source, "--steps", "2"]
-    code, out, err = cli("minisd", "sample", "a red circle", *common, "--seeds", "1", "--out", tmp_path / "g.png",
-                         "--json-out", tmp_path / "g.json")  # fmt: skip
+    code, out, err = cli(
+        "minisd",
+        "sample",
+        "a red circle",
+        *common,
+        "--seeds",
+        "1",
+        "--out",
+        tmp_path / "g.png",
+        "--json-out",
+        tmp_path / "g.json",
+    )
     assert code == 0, err
     assert f"({model} (a checkpoint's model, step 1 of 2): ddim 2 steps" in out
     assert json.loads((tmp_path / "g.json").read_text())["checkpoint_step"] == 1
@@ -546,8 +723,11 @@ def test_changed_by_steering_counts_images_by_prompt_and_seed():
     from sdkit.minisd.evaluate import changed_by_steering
     from sdkit.minisd.judge import Verdict
 
-    right, wrong, extra = Verdict(True, True, True, False, []), Verdict(False, True, True, False, []), \
-        Verdict(True, True, True, True, [])  # fmt: skip
+    right, wrong, extra = (
+        Verdict(True, True, True, False, []),
+        Verdict(False, True, True, False, []),
+        Verdict(True, True, True, True, []),
+    )
     # 3 right unsteered, 3 right steered: equal accuracies, yet one image fixed and one broken
     unsteered = [right, right, wrong, extra, right]
     steered = [right, wrong, right, wrong, right]
@@ -561,25 +741,42 @@ def test_changed_by_steering_counts_images_by_prompt_and_seed():
 def test_cli_guide_steers_sample_and_eval(micro_model, bert, cli, tmp_path):
     common = ["--model", micro_model, "--text-encoder", bert.source, "--steps", "2"]
     pair = "a red circle to the left of a blue square"
-    code, out, err = cli("minisd", "sample", pair, *common, "--seeds", "1", "--guide", "layout,bind", "--guide-scale",
-                         "5", "--json", "--out", tmp_path / "steered.png")  # fmt: skip
+    code, out, err = cli(
+        "minisd",
+        "sample",
+        pair,
+        *common,
+        "--seeds",
+        "1",
+        "--guide",
+        "layout,bind",
+        "--guide-scale",
+        "5",
+        "--json",
+        "--out",
+        tmp_path / "steered.png",
+    )
     assert code == 0, err
     steering = json.loads(out)["steering"]
     assert steering["objectives"] == ["layout", "bind"] and steering["scale"] == 5 and steering["steps"] == 15
     assert (tmp_path / "steered.png").is_file()
-    code, out, err = cli("minisd", "eval", *common, "--count", "2", "--sets", "pairs", "--no-floors", "--guide",
-                         "excite", "--json")  # fmt: skip
+    code, out, err = cli(
+        "minisd", "eval", *common, "--count", "2", "--sets", "pairs", "--no-floors", "--guide", "excite", "--json"
+    )
     assert code == 0, err
     report = json.loads(out)
     assert report["steering"]["objectives"] == ["excite"] and set(report["seconds_per_image"]) == {"model", "unsteered"}
     assert set(report["results"]["unsteered"]) == {"pairs"}
     # the paired count accounts for the difference between the two accuracies, image by image
     changed, results = report["changed"]["pairs"], report["results"]
-    assert changed["fixed"] - changed["broken"] == round(2 * (results["model"]["pairs"]["all"] -
-                                                             results["unsteered"]["pairs"]["all"]))  # fmt: skip
-    refusals = {("--guide-scale", "3"): "--guide-scale does not apply without --guide",
-                ("--guide", "repel"): "steering objectives are a comma-separated list of excite, bind, layout",
-                ("--guide", "excite", "--guide-layers", "bogus"): "no cross-attention layer 'bogus'"}  # fmt: skip
+    assert changed["fixed"] - changed["broken"] == round(
+        2 * (results["model"]["pairs"]["all"] - results["unsteered"]["pairs"]["all"])
+    )
+    refusals = {
+        ("--guide-scale", "3"): "--guide-scale does not apply without --guide",
+        ("--guide", "repel"): "steering objectives are a comma-separated list of excite, bind, layout",
+        ("--guide", "excite", "--guide-layers", "bogus"): "no cross-attention layer 'bogus'",
+    }
     for flags, message in refusals.items():
         code, _, err = cli("minisd", "sample", pair, *common, "--seeds", "1", *flags, "--out", tmp_path / "x.png")
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1
@@ -596,14 +793,18 @@ def test_the_shipped_model_is_a_minisd_preset_u_net(cli):
     assert audit(SHIPPED).total == audit("minisd").total == 4_582_819
     spec = json.loads((SHIPPED / "minisd.json").read_text())
     assert spec["text_encoder"] == "all-MiniLM-L6-v2" and spec["space"] == "pixels"
-    # The model itself (findings/ beside it holds the README's pictures, and locally the adapters
+    # The model itself (findings/ beside it holds the docs' pictures, and locally the adapters
     # scripts/findings.py trains, which git ignores).
-    size = sum(f.stat().st_size for f in SHIPPED.rglob("*") if f.is_file() and "findings" not in f.relative_to(SHIPPED).parts)
+    size = sum(
+        f.stat().st_size for f in SHIPPED.rglob("*") if f.is_file() and "findings" not in f.relative_to(SHIPPED).parts
+    )
     assert size <= 30 * 2**20
 
 
 @pytest.mark.slow  # torch.compile of the mini SD, whole or block by block: a minute or two each; CI runs it with -m slow
-@pytest.mark.parametrize("precision,grounding", [("bf16", False), ("bf16-fp32-ends", False), ("bf16", True), ("fp32", True)])
+@pytest.mark.parametrize(
+    "precision,grounding", [("bf16", False), ("bf16-fp32-ends", False), ("bf16", True), ("fp32", True)]
+)
 def test_compiled_unet_gives_every_gradient_eager_gives(precision, grounding):
     # Compiled whole under bfloat16 autocast, the U-Net got wrong gradients until its upsamplers
     # were rewritten (inductor, torch 2.13, CPU; see upsample_by_broadcast): training ran, the loss
@@ -617,8 +818,14 @@ def test_compiled_unet_gives_every_gradient_eager_gives(precision, grounding):
     import torch.nn.functional as F
     from diffusers.models.attention_processor import AttnProcessor
 
-    from sdkit.minisd.train import (CrossAttentionMaps, compile_unet, ends_in_float32, flat_parameters, grounding_loss,
-                                    recipe_unet)
+    from sdkit.minisd.train import (
+        CrossAttentionMaps,
+        compile_unet,
+        ends_in_float32,
+        flat_parameters,
+        grounding_loss,
+        recipe_unet,
+    )
     from sdkit.presets import preset_config
 
     reference = recipe_unet(preset_config("minisd"), TrainSettings())
@@ -709,8 +916,9 @@ def test_flat_parameters_train_as_the_parameters_one_by_one():
     (flat_unet, flat_ema), (plain_unet, plain_ema) = runs
     initial = build_unet(micro_config(32), weights="random", seed=0)
     sizes = [p.numel() for p in plain_unet.parameters()]
-    for (name, a), b, start, flat_shadow, plain_shadow in zip(flat_unet.named_parameters(), plain_unet.parameters(),
-                                                             initial.parameters(), flat_ema[0].split(sizes), plain_ema):  # fmt: skip
+    for (name, a), b, start, flat_shadow, plain_shadow in zip(
+        flat_unet.named_parameters(), plain_unet.parameters(), initial.parameters(), flat_ema[0].split(sizes), plain_ema
+    ):
         assert not torch.equal(a, start), name  # it trained
         assert torch.equal(a, b), name
         assert torch.equal(flat_shadow, plain_shadow.reshape(-1)), name
@@ -753,8 +961,13 @@ def test_a_model_with_coordinate_channels_trains_samples_and_steers(bert, tmp_pa
     assert grid[0, 3, 0].tolist() == pytest.approx([-1, -0.6, -0.2, 0.2, 0.6, 1]) and grid[0, 4, :, 0].tolist()[0] == -1
     prompts = ["a red circle to the left of a blue square"]
     plain = pipe(prompts, 3, seeds=[0]).images
-    steered = pipe(prompts, 3, seeds=[0], steering=SteeringSettings(("layout",), steps=2, thresholds={}),
-                   guides=caption_guides(bert, prompts, 32)).images  # fmt: skip
+    steered = pipe(
+        prompts,
+        3,
+        seeds=[0],
+        steering=SteeringSettings(("layout",), steps=2, thresholds={}),
+        guides=caption_guides(bert, prompts, 32),
+    ).images
     assert plain.shape == steered.shape == (1, 32, 32, 3) and not np.array_equal(plain, steered)
 
 
@@ -765,8 +978,12 @@ def test_object_tokens_mark_each_objects_colour_and_shape_words(bert):
     from sdkit.encoders import token_roles
     from sdkit.minisd.train import object_tokens
 
-    captions = ["", "a red circle at the top left", "a red circle to the left of a blue square",
-                "red circle left of red square"]  # fmt: skip
+    captions = [
+        "",
+        "a red circle at the top left",
+        "a red circle to the left of a blue square",
+        "red circle left of red square",
+    ]
     table = object_tokens(bert, captions, bert.max_length)
     assert table.shape == (4, 2, bert.max_length) and table[0].sum() == 0 and table[1, 1].sum() == 0
 
@@ -816,8 +1033,12 @@ def test_relation_loss_asks_only_for_the_order():
 
     from sdkit.minisd.train import relation_loss, relation_signs
 
-    captions = ["", "a red circle to the left of a blue square", "red circle right of blue square",
-                "a red circle at the top left"]  # fmt: skip
+    captions = [
+        "",
+        "a red circle to the left of a blue square",
+        "red circle right of blue square",
+        "a red circle at the top left",
+    ]
     assert relation_signs(captions).tolist() == [0, 1, -1, 0]
     tokens = torch.zeros(2, 2, 3)
     tokens[:, 0, 1], tokens[:, 1, 2] = 1, 1
@@ -878,7 +1099,7 @@ def test_training_with_grounding_or_relation_logs_it_and_changes_the_weights(ber
 
     settings = _settings(context_length=bert.max_length)
     batch = batch_at(3, settings, encode_captions(bert, ["", *all_captions()], None, progress=False))
-    for i, text in enumerate(batch.captions):
+    for i in range(len(batch.captions)):
         sample = sample_at(0, 3 * settings.batch_size + i, 32)
         assert np.array_equal(batch.masks[i, : len(sample.masks)].numpy(), sample.masks)
         assert batch.masks[i, len(sample.masks) :].sum() == 0
@@ -888,8 +1109,14 @@ def test_training_with_grounding_or_relation_logs_it_and_changes_the_weights(ber
     runs = {}
     for name in ("none", "grounding", "relation"):
         weights = {f"{name}_weight": 1.0} if name != "none" else {}
-        result = train(tmp_path / name, bert, _settings(steps=3, pair_fraction=1.0, **weights),
-                       micro_config(bert.width), progress=False, cache_dir=None)  # fmt: skip
+        result = train(
+            tmp_path / name,
+            bert,
+            _settings(steps=3, pair_fraction=1.0, **weights),
+            micro_config(bert.width),
+            progress=False,
+            cache_dir=None,
+        )
         runs[name] = load_file(tmp_path / name / "unet" / "diffusion_pytorch_model.safetensors")
         logged = set(result.history[-1]) - {"step", "loss", "seconds"}
         assert logged == ({name} - {"none"})
@@ -899,9 +1126,14 @@ def test_training_with_grounding_or_relation_logs_it_and_changes_the_weights(ber
             assert any("attn2.to_k" in k for k in changed)
     # Only images noised to attention_loss_from or more count: none of these three batches reaches
     # 999, so the loss is 0 and the weights are the run without it, to the bit.
-    gated = train(tmp_path / "gated", bert, _settings(steps=3, pair_fraction=1.0, relation_weight=1.0,
-                                                      attention_loss_from=999),
-                  micro_config(bert.width), progress=False, cache_dir=None)  # fmt: skip
+    gated = train(
+        tmp_path / "gated",
+        bert,
+        _settings(steps=3, pair_fraction=1.0, relation_weight=1.0, attention_loss_from=999),
+        micro_config(bert.width),
+        progress=False,
+        cache_dir=None,
+    )
     assert gated.history[-1]["relation"] == 0
     weights = load_file(tmp_path / "gated" / "unet" / "diffusion_pytorch_model.safetensors")
     assert all(torch.equal(weights[k], runs["none"][k]) for k in weights)
@@ -951,7 +1183,9 @@ def test_zero_terminal_snr_ends_at_pure_noise_and_the_model_samples_with_it(bert
     assert images.shape == (1, 32, 32, 3) and np.isfinite(images).all()
     trained = json.loads((out / "minisd.json").read_text())["training"]["settings"]
     assert trained["zero_terminal_snr"] is True
-    assert recorded_settings({k: v for k, v in trained.items() if k != "zero_terminal_snr"})["zero_terminal_snr"] is False
+    assert (
+        recorded_settings({k: v for k, v in trained.items() if k != "zero_terminal_snr"})["zero_terminal_snr"] is False
+    )
 
 
 def test_a_swapped_pair_exchanges_its_objects_and_keeps_their_cells_and_shifts():
@@ -961,8 +1195,10 @@ def test_a_swapped_pair_exchanges_its_objects_and_keeps_their_cells_and_shifts()
     sample, swapped = sample_at(0, index), sample_at(0, index, swapped=True)
     a, b = sample.scene.objects
     assert swapped.scene == swapped_objects(sample.scene) != sample.scene
-    assert [(o.colour, o.shape, o.row, o.column) for o in swapped.scene.objects] == \
-        [(b.colour, b.shape, a.row, a.column), (a.colour, a.shape, b.row, b.column)]  # fmt: skip
+    assert [(o.colour, o.shape, o.row, o.column) for o in swapped.scene.objects] == [
+        (b.colour, b.shape, a.row, a.column),
+        (a.colour, a.shape, b.row, b.column),
+    ]
     # the same shift from each cell: swapped back, the swapped scene draws the sample's very pixels
     rng = random.Random(f"0:{index}")
     random_scene(rng)
@@ -1009,13 +1245,16 @@ def test_the_timestep_bias_draws_the_later_timesteps_that_much_more_often():
     from sdkit.minisd.train import draw_timesteps, hash_seed
 
     def draws(settings, batches=200):
-        return torch.cat([draw_timesteps(settings, torch.Generator().manual_seed(hash_seed(0, step, 0)))
-                          for step in range(batches)])  # fmt: skip
+        return torch.cat(
+            [draw_timesteps(settings, torch.Generator().manual_seed(hash_seed(0, step, 0))) for step in range(batches)]
+        )
 
     uniform = TrainSettings(batch_size=32, timestep_bias=1.0)
     # no bias: the very draw every run made before there was one, so their recipes are unchanged
-    assert torch.equal(draw_timesteps(uniform, torch.Generator().manual_seed(7)),
-                       torch.randint(0, 1000, (32,), generator=torch.Generator().manual_seed(7)))  # fmt: skip
+    assert torch.equal(
+        draw_timesteps(uniform, torch.Generator().manual_seed(7)),
+        torch.randint(0, 1000, (32,), generator=torch.Generator().manual_seed(7)),
+    )
     assert 0.07 < (draws(uniform) >= 900).float().mean() < 0.13
     # x9 from 900: 100 timesteps weighing 900 against the other 900's 900, so half the draws
     late = draws(replace(uniform, timestep_bias=9.0))
@@ -1056,13 +1295,21 @@ def test_training_reads_the_losses_off_the_device_once_per_log_line(bert, tmp_pa
     reads = []
     for method in ("item", "tolist"):
         original = getattr(torch.Tensor, method)
-        monkeypatch.setattr(torch.Tensor, method, lambda t, _original=original, _name=method:
-                            (reads.append(_name), _original(t))[1])  # fmt: skip
+        monkeypatch.setattr(
+            torch.Tensor, method, lambda t, _original=original, _name=method: (reads.append(_name), _original(t))[1]
+        )
     steps = []
-    monkeypatch.setattr("sdkit.minisd.train.weighted_loss",
-                        lambda *a, _loss=weighted_loss: steps.append(_loss(*a)) or steps[-1])  # fmt: skip
-    result = train(tmp_path / "m", bert, _settings(steps=50, batch_size=2, relation_weight=1.0, pair_fraction=1.0),
-                   micro_config(bert.width), progress=False, cache_dir=None)  # fmt: skip
+    monkeypatch.setattr(
+        "sdkit.minisd.train.weighted_loss", lambda *a, _loss=weighted_loss: steps.append(_loss(*a)) or steps[-1]
+    )
+    result = train(
+        tmp_path / "m",
+        bert,
+        _settings(steps=50, batch_size=2, relation_weight=1.0, pair_fraction=1.0),
+        micro_config(bert.width),
+        progress=False,
+        cache_dir=None,
+    )
     monkeypatch.undo()
     assert reads == ["tolist", "tolist"] and len(steps) == 50
     assert [h["step"] for h in result.history] == [25, 50]

@@ -28,10 +28,8 @@ def tree(folder: Path) -> dict[str, str]:
 
 
 def test_names_in_the_cli_are_the_modules_own():
-    from sdkit import adapter
+    from sdkit import adapter, presets, scoretable
     from sdkit.cli import common as cli
-
-    from sdkit import presets, scoretable
     from sdkit.cli import scoretable as scoretable_cli
     from sdkit.encoders import LAYERS
     from sdkit.steering import OBJECTIVES
@@ -80,26 +78,30 @@ def test_a_folder_of_ours_keeps_what_the_writer_did_not_write(tmp_path):
         (tmp / "unet").mkdir()
         (tmp / "unet" / "old.safetensors").write_text("old weights")
         (tmp / "minisd.json").write_text("{}")
-    assert _record(model) == {"written_by": "sdkit", "kind": "minisd-model", "version": 1,
-                              "files": ["minisd.json", "unet/old.safetensors"]}  # fmt: skip
+    assert _record(model) == {
+        "written_by": "sdkit",
+        "kind": "minisd-model",
+        "version": 1,
+        "files": ["minisd.json", "unet/old.safetensors"],
+    }
     (model / "findings").mkdir()
-    (model / "findings" / "eval.json").write_text("{\"pairs\": 0.2}")
+    (model / "findings" / "eval.json").write_text('{"pairs": 0.2}')
     (model / "unet" / "NOTES.md").write_text("my notes")  # a user's file inside a folder sdkit writes
     check_output_folder(model, "minisd-model")  # ours: accepted
     with atomic_folder(model, "minisd-model") as tmp:
         (tmp / "unet").mkdir()
         (tmp / "unet" / "weights.safetensors").write_text("new weights")
-        (tmp / "minisd.json").write_text("{\"new\": true}")
-    assert (model / "findings" / "eval.json").read_text() == "{\"pairs\": 0.2}"
+        (tmp / "minisd.json").write_text('{"new": true}')
+    assert (model / "findings" / "eval.json").read_text() == '{"pairs": 0.2}'
     # ours from the last write and not written now: removed; the user's: kept
     assert sorted(p.name for p in (model / "unet").iterdir()) == ["NOTES.md", "weights.safetensors"]
-    assert (model / "minisd.json").read_text() == "{\"new\": true}"
+    assert (model / "minisd.json").read_text() == '{"new": true}'
     assert _record(model)["files"] == ["minisd.json", "unet/weights.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["minisd"]  # no temporary folder left behind
     with pytest.raises(RuntimeError), atomic_folder(model, "minisd-model") as tmp:
         (tmp / "minisd.json").write_text("half")
         raise RuntimeError("crash")
-    assert (model / "minisd.json").read_text() == "{\"new\": true}"
+    assert (model / "minisd.json").read_text() == '{"new": true}'
 
 
 def test_a_file_sdkit_did_not_write_is_never_replaced(tmp_path):
@@ -114,13 +116,20 @@ def test_a_file_sdkit_did_not_write_is_never_replaced(tmp_path):
     with pytest.raises(SdkitError, match="sdkit did not write"), atomic_folder(model, "minisd-model") as tmp:
         (tmp / "unet").mkdir()
         (tmp / "unet" / "config.json").write_text("ours")
-        (tmp / "minisd.json").write_text("{\"new\": true}")
+        (tmp / "minisd.json").write_text('{"new": true}')
     assert tree(model) == before  # refused before anything moved
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
 
 
-@pytest.mark.parametrize("content", ['{"unet": "x"}', "not json", '{"written_by": "sdkit", "kind": "maps"}',
-                                     '{"written_by": "someone", "kind": "maps", "version": 1, "files": []}'])  # fmt: skip
+@pytest.mark.parametrize(
+    "content",
+    [
+        '{"unet": "x"}',
+        "not json",
+        '{"written_by": "sdkit", "kind": "maps"}',
+        '{"written_by": "someone", "kind": "maps", "version": 1, "files": []}',
+    ],
+)
 def test_a_record_sdkit_did_not_write_is_not_enough(tmp_path, content):
     from sdkit.common import SdkitError
 
@@ -149,8 +158,14 @@ def test_shipped_model_folders_carry_their_record():
     for folder in (Path("weights/minisd"), Path("weights/minisd-pooled")):
         record = folder_record(folder)
         assert record["kind"] == "minisd-model"
-        assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and "findings" not in
-                      p.parts and p.name != "sdkit.json") == record["files"]  # fmt: skip
+        assert (
+            sorted(
+                str(p.relative_to(folder))
+                for p in folder.rglob("*")
+                if p.is_file() and "findings" not in p.parts and p.name != "sdkit.json"
+            )
+            == record["files"]
+        )
 
 
 def test_maps_into_findings_that_hold_a_maps_json_are_refused(cli, tmp_path):
@@ -158,7 +173,9 @@ def test_maps_into_findings_that_hold_a_maps_json_are_refused(cli, tmp_path):
     import shutil
 
     findings = tmp_path / "findings"
-    shutil.copytree("weights/minisd/findings", findings, ignore=lambda d, names: [n for n in names if n.endswith(".png")])
+    shutil.copytree(
+        "weights/minisd/findings", findings, ignore=lambda d, names: [n for n in names if n.endswith(".png")]
+    )
     before = tree(findings)
     line = refusal(cli("condition", "--maps", findings))
     assert "sdkit did not write it" in line and tree(findings) == before
@@ -174,8 +191,8 @@ def test_adapters_never_replace_a_users_report(cli, tmp_path):
 
 
 def test_files_written_by_libraries_get_the_umask_modes(tmp_path):
-    from safetensors.torch import save_file
     import torch
+    from safetensors.torch import save_file
 
     old = os.umask(0o022)
     try:
@@ -249,16 +266,50 @@ def test_outputs_never_land_on_what_the_command_reads_through_any_flag(cli, tmp_
     """Issue 49.4: an encoder found through --encoders-dir is read, so no output may replace its files."""
     model, encoder = _encoders_dir(tmp_path, micro_minisd)
     before, model_before = tree(encoder), tree(model)
-    sample = ["minisd", "sample", "a red circle", "--seeds", "1", "--steps", "1", "--model", model,
-              "--encoders-dir", encoder.parent]  # fmt: skip
-    for argv in ([*sample, "--out", tmp_path / "x.png", "--json-out", encoder / "config.json"],
-                 [*sample, "--out", encoder / "grid.png"],
-                 ["minisd", "eval", "--model", model, "--encoders-dir", encoder.parent, "--count", "1", "--no-floors",
-                  "--json-out", encoder / "tokenizer.json"],
-                 ["condition", "--unet", model, "--encoders-dir", encoder.parent, "--json-out", encoder / "config.json"],
-                 ["condition", "--unet", model, "--json-out", model / "unet" / "config.json"],
-                 ["minisd", "train", "--steps", "1", "--encoders-dir", encoder.parent, "--out", tmp_path / "m2",
-                  "--json-out", encoder / "vocab.txt"]):  # fmt: skip
+    sample = [
+        "minisd",
+        "sample",
+        "a red circle",
+        "--seeds",
+        "1",
+        "--steps",
+        "1",
+        "--model",
+        model,
+        "--encoders-dir",
+        encoder.parent,
+    ]
+    for argv in (
+        [*sample, "--out", tmp_path / "x.png", "--json-out", encoder / "config.json"],
+        [*sample, "--out", encoder / "grid.png"],
+        [
+            "minisd",
+            "eval",
+            "--model",
+            model,
+            "--encoders-dir",
+            encoder.parent,
+            "--count",
+            "1",
+            "--no-floors",
+            "--json-out",
+            encoder / "tokenizer.json",
+        ],
+        ["condition", "--unet", model, "--encoders-dir", encoder.parent, "--json-out", encoder / "config.json"],
+        ["condition", "--unet", model, "--json-out", model / "unet" / "config.json"],
+        [
+            "minisd",
+            "train",
+            "--steps",
+            "1",
+            "--encoders-dir",
+            encoder.parent,
+            "--out",
+            tmp_path / "m2",
+            "--json-out",
+            encoder / "vocab.txt",
+        ],
+    ):
         line = refusal(cli(*argv))
         assert "what this command reads" in line, argv
     assert tree(encoder) == before and tree(model) == model_before
@@ -267,16 +318,19 @@ def test_outputs_never_land_on_what_the_command_reads_through_any_flag(cli, tmp_
     assert code == 0, err
 
 
-@pytest.mark.parametrize("argv", [
-    ["minisd", "sample", "a red circle", "--out", "{t}/c.png", "--json-out", "{t}/c.png"],
-    ["audit", "tiny", "--compute", "--sweep", "--plot", "{t}/x.png", "--json-out", "{t}/x.png"],
-    ["memory", "--quick", "--plot", "{t}/x.png", "--json-out", "{t}/x.png"],
-    ["minisd", "train", "--out", "{t}/m", "--json-out", "{t}/m/minisd.json"],
-    ["minisd", "train", "--out", "{t}/m", "--checkpoints", "{t}/m"],
-    ["minisd", "train", "--checkpoints", "{t}/c", "--json-out", "{t}/c/checkpoint.safetensors"],
-    ["condition", "--maps", "{t}/maps", "--json-out", "{t}/maps/maps.json"],
-    ["adapter", "demo", "--out", "{t}/a", "--json-out", "{t}/a/report.json"],
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["minisd", "sample", "a red circle", "--out", "{t}/c.png", "--json-out", "{t}/c.png"],
+        ["audit", "tiny", "--compute", "--sweep", "--plot", "{t}/x.png", "--json-out", "{t}/x.png"],
+        ["memory", "--quick", "--plot", "{t}/x.png", "--json-out", "{t}/x.png"],
+        ["minisd", "train", "--out", "{t}/m", "--json-out", "{t}/m/minisd.json"],
+        ["minisd", "train", "--out", "{t}/m", "--checkpoints", "{t}/m"],
+        ["minisd", "train", "--checkpoints", "{t}/c", "--json-out", "{t}/c/checkpoint.safetensors"],
+        ["condition", "--maps", "{t}/maps", "--json-out", "{t}/maps/maps.json"],
+        ["adapter", "demo", "--out", "{t}/a", "--json-out", "{t}/a/report.json"],
+    ],
+)
 def test_outputs_of_one_command_never_land_on_each_other(cli, tmp_path, argv):
     """Issue 49.5: two outputs on one path, or a file inside a folder the same command writes."""
     line = refusal(cli(*[a.format(t=tmp_path) for a in argv]))
@@ -289,14 +343,38 @@ def test_checkpoints_never_delete_a_users_files_in_its_model_folder(cli, tmp_pat
     checkpoints = tmp_path / "ckpt"
     (checkpoints / "model").mkdir(parents=True)
     (checkpoints / "model" / "mine.txt").write_text("mine")
-    line = refusal(cli("minisd", "train", "--steps", "1", "--text-encoder", bert.source, "--out", tmp_path / "m",
-                       "--checkpoints", checkpoints))  # fmt: skip
+    line = refusal(
+        cli(
+            "minisd",
+            "train",
+            "--steps",
+            "1",
+            "--text-encoder",
+            bert.source,
+            "--out",
+            tmp_path / "m",
+            "--checkpoints",
+            checkpoints,
+        )
+    )
     assert "sdkit did not write it" in line and (checkpoints / "model" / "mine.txt").read_text() == "mine"
     (checkpoints / "model" / "mine.txt").unlink()
     (checkpoints / "model").rmdir()
     (checkpoints / "model").write_text("a file")
-    line = refusal(cli("minisd", "train", "--steps", "1", "--text-encoder", bert.source, "--out", tmp_path / "m",
-                       "--checkpoints", checkpoints))  # fmt: skip
+    line = refusal(
+        cli(
+            "minisd",
+            "train",
+            "--steps",
+            "1",
+            "--text-encoder",
+            bert.source,
+            "--out",
+            tmp_path / "m",
+            "--checkpoints",
+            checkpoints,
+        )
+    )
     assert "must be a folder" in line and sorted(p.name for p in checkpoints.iterdir()) == ["model"]
 
 
@@ -308,13 +386,22 @@ def test_training_into_a_model_folder_keeps_the_users_files_inside_it(tmp_path, 
     out = tmp_path / "model"
     settings = TrainSettings(steps=1, batch_size=4, warmup_steps=1, compile=False)
     train(out, bert, settings, micro_config(bert.width), progress=False)
-    mine = {out / "unet" / "NOTES.md": "notes", out / "unet" / "backup.safetensors": "backup",
-            out / "scheduler" / "ddim.json": "{}", out / "findings" / "eval.json": "{}"}  # fmt: skip
+    mine = {
+        out / "unet" / "NOTES.md": "notes",
+        out / "unet" / "backup.safetensors": "backup",
+        out / "scheduler" / "ddim.json": "{}",
+        out / "findings" / "eval.json": "{}",
+    }
     for path, text in mine.items():
         path.parent.mkdir(exist_ok=True)
         path.write_text(text)
     weights = digest(out / "unet" / "diffusion_pytorch_model.safetensors")
-    train(out, bert, TrainSettings(steps=1, batch_size=4, warmup_steps=1, compile=False, seed=1),
-          micro_config(bert.width), progress=False)  # fmt: skip
+    train(
+        out,
+        bert,
+        TrainSettings(steps=1, batch_size=4, warmup_steps=1, compile=False, seed=1),
+        micro_config(bert.width),
+        progress=False,
+    )
     assert {path: path.read_text() for path in mine} == mine
     assert digest(out / "unet" / "diffusion_pytorch_model.safetensors") != weights  # the model was replaced

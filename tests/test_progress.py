@@ -30,8 +30,9 @@ def test_on_a_terminal_the_first_output_is_the_phase_and_it_is_cleared_before_th
     if not hasattr(os, "openpty"):
         pytest.skip("no pseudo-terminals here")
     master, slave = os.openpty()
-    process = subprocess.Popen([sys.executable, "-m", "sdkit", "audit", "tiny"], stdin=subprocess.DEVNULL,
-                               stdout=slave, stderr=slave)  # fmt: skip
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sdkit", "audit", "tiny"], stdin=subprocess.DEVNULL, stdout=slave, stderr=slave
+    )
     os.close(slave)
     out = b""
     while True:

@@ -23,10 +23,19 @@ from safetensors.torch import save_file
 from sdkit.common import SdkitError, atomic_path, write_json
 from sdkit.presets import build_unet, preset_config
 
-MICRO = {"_class_name": "UNet2DConditionModel", "in_channels": 4, "out_channels": 4, "sample_size": 8,
-         "block_out_channels": [8, 16], "layers_per_block": 1, "norm_num_groups": 4, "attention_head_dim": 2,
-         "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"], "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"],
-         "cross_attention_dim": 16}  # fmt: skip
+MICRO = {
+    "_class_name": "UNet2DConditionModel",
+    "in_channels": 4,
+    "out_channels": 4,
+    "sample_size": 8,
+    "block_out_channels": [8, 16],
+    "layers_per_block": 1,
+    "norm_num_groups": 4,
+    "attention_head_dim": 2,
+    "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"],
+    "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"],
+    "cross_attention_dim": 16,
+}
 CORRUPT = ("corrupt", "not a safetensors file", "truncated")
 
 
@@ -100,18 +109,33 @@ def test_2_json_flag_takes_no_value(cli, tmp_path):
 # --- 3. zero and other nonsense is refused, never replaced by a default ----------------------------
 
 
-@pytest.mark.parametrize("argv", [
-    ["scoretable", "--height", "0"], ["scoretable", "--width", "0"], ["scoretable", "--size", "-512"],
-    ["scoretable", "--measure", "--tokens", "0"], ["scoretable", "--measure", "--heads", "0"],
-    ["scoretable", "--measure", "--head-dim", "0"], ["scoretable", "--repeats", "0"],
-    ["scoretable", "--chunk-budget", "1e400"], ["scoretable", "--budget", "1e999GiB"],
-    ["audit", "--image-size", "0"], ["audit", "--image-size", "-512"], ["audit", "--context-dim", "0"],
-    ["audit", "--context-dim", "-5"], ["condition", "--latent-size", "0"], ["condition", "--latent-size", "8x0"],
-    ["condition", "--latent-size", "-8"], ["adapter", "train", "--new", "x", "--old", "y", "--generate", "0"],
-    ["adapter", "train", "--new", "x", "--old", "y", "--batch-size", "0"],
-    ["adapter", "train", "--new", "x", "--old", "y", "--lr", "nan"], ["minisd", "train", "--steps", "0"],
-    ["minisd", "sample", "x", "--seeds", "0"], ["minisd", "eval", "--guidance", "inf"],
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["scoretable", "--height", "0"],
+        ["scoretable", "--width", "0"],
+        ["scoretable", "--size", "-512"],
+        ["scoretable", "--measure", "--tokens", "0"],
+        ["scoretable", "--measure", "--heads", "0"],
+        ["scoretable", "--measure", "--head-dim", "0"],
+        ["scoretable", "--repeats", "0"],
+        ["scoretable", "--chunk-budget", "1e400"],
+        ["scoretable", "--budget", "1e999GiB"],
+        ["audit", "--image-size", "0"],
+        ["audit", "--image-size", "-512"],
+        ["audit", "--context-dim", "0"],
+        ["audit", "--context-dim", "-5"],
+        ["condition", "--latent-size", "0"],
+        ["condition", "--latent-size", "8x0"],
+        ["condition", "--latent-size", "-8"],
+        ["adapter", "train", "--new", "x", "--old", "y", "--generate", "0"],
+        ["adapter", "train", "--new", "x", "--old", "y", "--batch-size", "0"],
+        ["adapter", "train", "--new", "x", "--old", "y", "--lr", "nan"],
+        ["minisd", "train", "--steps", "0"],
+        ["minisd", "sample", "x", "--seeds", "0"],
+        ["minisd", "eval", "--guidance", "inf"],
+    ],
+)
 def test_3_non_positive_sizes_are_refused(cli, argv):
     one_line(*cli(*argv)[::2])
 
@@ -156,8 +180,13 @@ def test_4_prediction_bounds_the_measured_peak(side):
     # In a fresh process (memory a process freed and kept would hide the peak), with a fixed mmap
     # threshold so that large tensors come from, and go back to, the system.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "2"}
-    run = subprocess.run([sys.executable, "-c", PEAK_CHILD, json.dumps(MICRO), str(side)], capture_output=True,
-                         text=True, env=env, timeout=300)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-c", PEAK_CHILD, json.dumps(MICRO), str(side)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr
     measured = json.loads(run.stdout.strip().splitlines()[-1])
     assert measured["peak"] <= measured["predicted"], measured
@@ -173,15 +202,18 @@ def test_5_unwritable_outputs_are_refused_first(cli, tmp_path, tiny_pair):
     folder.mkdir()
     existing.write_text("x")
     cases = [
-        ["audit", "tiny", "--json-out", folder], ["scoretable", "--plot", folder],
-        ["scoretable", "--plot", "/proc/sdkit.png"], ["condition", "--maps", existing],
+        ["audit", "tiny", "--json-out", folder],
+        ["scoretable", "--plot", folder],
+        ["scoretable", "--plot", "/proc/sdkit.png"],
+        ["condition", "--maps", existing],
         ["adapter", "encode", "x", "--adapter", folder, "--new", folder, "--out", folder],
         ["adapter", "train", "--new", folder, "--old", folder, "--out", existing],
         ["adapter", "train", "--new", folder, "--old", folder, "--cache", existing],
         ["adapter", "train", "--new", folder, "--old", folder, "--checkpoints", existing / "sub"],
-        ["minisd", "train", "--out", existing], ["minisd", "sample", "x", "--out", folder],
+        ["minisd", "train", "--out", existing],
+        ["minisd", "sample", "x", "--out", folder],
         ["memory", "--plot", "/proc/x/y.png"],
-    ]  # fmt: skip
+    ]
     for argv in cases:
         start = time.perf_counter()
         line = one_line(*cli(*argv)[::2])
@@ -256,8 +288,11 @@ def _raw_file(path, header: bytes, data: bytes = b"") -> Path:
 def test_8_parser_limits(cli, tmp_path):
     deep = _raw_file(tmp_path / "deep.safetensors", b"[" * 100_000)
     assert "corrupt" in one_line(*cli("audit", deep)[::2])
-    big = _raw_file(tmp_path / "big.safetensors", b'{"conv_in.weight":{"dtype":"F32","shape":[1e400],"data_offsets":[0,4]}}',
-                    b"\0" * 4)  # fmt: skip
+    big = _raw_file(
+        tmp_path / "big.safetensors",
+        b'{"conv_in.weight":{"dtype":"F32","shape":[1e400],"data_offsets":[0,4]}}',
+        b"\0" * 4,
+    )
     assert "corrupt" in one_line(*cli("audit", big)[::2])
 
 
@@ -266,8 +301,19 @@ def test_8_parser_limits(cli, tmp_path):
 
 def test_9_adapter_encode_with_a_unet_folder(cli, micro, tiny_pair, tmp_path):
     root, _ = micro
-    line = one_line(*cli("adapter", "encode", "x", "--adapter", root / "folder", "--new", tiny_pair[0].source,
-                         "--out", tmp_path / "e.safetensors")[::2])  # fmt: skip
+    line = one_line(
+        *cli(
+            "adapter",
+            "encode",
+            "x",
+            "--adapter",
+            root / "folder",
+            "--new",
+            tiny_pair[0].source,
+            "--out",
+            tmp_path / "e.safetensors",
+        )[::2]
+    )
     assert "not an adapter folder" in line
 
 
@@ -301,8 +347,9 @@ def test_10_permission_errors_are_one_line(cli, monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("delay", [0.15, 0.4, 1.5])  # after the interpreter itself has started
 def test_11_ctrl_c_is_130_and_one_line(delay):
-    process = subprocess.Popen([sys.executable, "-m", "sdkit", "audit", "sd15"], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sdkit", "audit", "sd15"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     time.sleep(delay)
     process.send_signal(signal.SIGINT)
     out, err = process.communicate(timeout=60)
@@ -323,8 +370,19 @@ def test_12_pickles_need_the_flag_everywhere(cli, tiny_pair, tmp_path):
 
     adapter = tmp_path / "adapter"
     TextEncoderAdapter("linear", 1024, 768).save_pretrained(adapter, safe_serialization=False)
-    line = one_line(*cli("adapter", "encode", "x", "--adapter", adapter, "--new", tiny_pair[0].source,
-                         "--out", tmp_path / "e.safetensors")[::2])  # fmt: skip
+    line = one_line(
+        *cli(
+            "adapter",
+            "encode",
+            "x",
+            "--adapter",
+            adapter,
+            "--new",
+            tiny_pair[0].source,
+            "--out",
+            tmp_path / "e.safetensors",
+        )[::2]
+    )
     assert "safetensors" in line
     encoder = tmp_path / "encoder"
     shutil.copytree(tiny_pair[1].source, encoder)
@@ -368,8 +426,18 @@ def _mutate(raw_header: bytes, data: bytes, rng: random.Random) -> tuple[bytes, 
         entry["dtype"] = rng.choice(["F16", "F64", "U32", "I32", "BF16", "F8_E4M3", "X", "f32", 5, "C64", "F4"])
     elif kind == 4:
         begin, end = entry["data_offsets"]
-        entry["data_offsets"] = rng.choice([[begin + 4, end + 4], [begin, end - 4], [end, begin], [begin],
-                                            [begin, end, end], [-1, end], [begin, 2**64], "0,4"])  # fmt: skip
+        entry["data_offsets"] = rng.choice(
+            [
+                [begin + 4, end + 4],
+                [begin, end - 4],
+                [end, begin],
+                [begin],
+                [begin, end, end],
+                [-1, end],
+                [begin, 2**64],
+                "0,4",
+            ]
+        )
     elif kind == 5:
         header["__metadata__"] = rng.choice([[], {"a": 1}, "x", None, {"format": "pt"}, {"a": {"b": "c"}}])
     elif kind == 6:
@@ -438,8 +506,13 @@ def test_13_header_fuzz_matches_safetensors(cli, micro, tmp_path):
 
 
 def test_13_valid_uint_tensors_are_not_corrupt(cli, tmp_path):
-    save_file({"conv_in.weight": torch.zeros(2, 4, 3, 3, dtype=torch.uint32), "down_blocks.0.resnets.0.conv1.weight":
-               torch.zeros(2, 2, dtype=torch.uint16)}, tmp_path / "u.safetensors")  # fmt: skip
+    save_file(
+        {
+            "conv_in.weight": torch.zeros(2, 4, 3, 3, dtype=torch.uint32),
+            "down_blocks.0.resnets.0.conv1.weight": torch.zeros(2, 2, dtype=torch.uint16),
+        },
+        tmp_path / "u.safetensors",
+    )
     code, out, err = cli("audit", tmp_path / "u.safetensors", "--json")
     assert code == 0 and json.loads(out)["total"] == 72 + 4, err
 
@@ -518,9 +591,11 @@ def test_16_files_honour_the_umask(tmp_path, umask):
 
 def test_17_no_stale_temp_after_a_kill(tmp_path):
     target = tmp_path / "out.json"
-    code = (f"import time; from sdkit.common import atomic_path\n"
-            f"with atomic_path({str(target)!r}) as tmp:\n    tmp.write_text('half')\n    print('in', flush=True)\n"
-            f"    time.sleep(60)\n")  # fmt: skip
+    code = (
+        f"import time; from sdkit.common import atomic_path\n"
+        f"with atomic_path({str(target)!r}) as tmp:\n    tmp.write_text('half')\n    print('in', flush=True)\n"
+        f"    time.sleep(60)\n"
+    )
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert child.stdout.readline().strip() == "in"
     child.kill()

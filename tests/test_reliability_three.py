@@ -41,9 +41,14 @@ def edited_model(micro_minisd, tmp_path, file: str, **changes):
 # --- 6. group-level options that a subcommand would ignore -------------------------------------------
 
 
-@pytest.mark.parametrize("argv", [["minisd", "--model", "/nonexistent", "sample", "x"],
-                                  ["minisd", "--encoders-dir", "/nonexistent", "eval"],
-                                  ["adapter", "--encoders-dir", "/nonexistent", "demo"]])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["minisd", "--model", "/nonexistent", "sample", "x"],
+        ["minisd", "--encoders-dir", "/nonexistent", "eval"],
+        ["adapter", "--encoders-dir", "/nonexistent", "demo"],
+    ],
+)
 def test_6_group_options_before_a_subcommand_are_refused(cli, argv):
     line = refusal(cli(*argv))
     assert "put it after the subcommand" in line
@@ -65,8 +70,11 @@ def test_7_an_encoder_with_missing_tensors_is_refused(cli, micro_minisd, tmp_pat
     damaged = tmp_path / "damaged"
     shutil.copytree(encoder, damaged)
     tensors = load_file(damaged / "model.safetensors")
-    save_file({k: v for k, v in tensors.items() if ".layer.1." not in k}, damaged / "model.safetensors",
-              metadata={"format": "pt"})  # fmt: skip
+    save_file(
+        {k: v for k, v in tensors.items() if ".layer.1." not in k},
+        damaged / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     with pytest.raises(SdkitError, match=r"16 missing \(first: encoder\.layer\.1\."):
         load_text_encoder(damaged)
     line = refusal(cli("condition", "--unet", micro_minisd[0], "--text-encoder", damaged, "--prompt", "a red circle"))
@@ -82,7 +90,9 @@ def test_7_a_config_that_names_another_model_is_refused(micro_minisd, tmp_path):
     config = json.loads((other / "config.json").read_text())
     config["model_type"] = "distilbert"
     (other / "config.json").write_text(json.dumps(config))
-    with pytest.raises(SdkitError, match=r"do not match the model its config names \(distilbert\).*missing.*unexpected"):
+    with pytest.raises(
+        SdkitError, match=r"do not match the model its config names \(distilbert\).*missing.*unexpected"
+    ):
         load_text_encoder(other)
 
 
@@ -98,13 +108,40 @@ def test_8_over_long_prompts_are_refused_by_every_command(cli, micro_minisd, tin
     assert "tokens long" in line and "shorten it" in line
     adapter = tmp_path / "adapter"
     TextEncoderAdapter("linear", 1024, 768).save_pretrained(adapter)
-    line = refusal(cli("adapter", "encode", long, "--adapter", adapter, "--new", tiny_pair[0].source,
-                       "--out", tmp_path / "e.safetensors"))  # fmt: skip
+    line = refusal(
+        cli(
+            "adapter",
+            "encode",
+            long,
+            "--adapter",
+            adapter,
+            "--new",
+            tiny_pair[0].source,
+            "--out",
+            tmp_path / "e.safetensors",
+        )
+    )
     assert "tokens long" in line and not (tmp_path / "e.safetensors").exists()
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("a red circle\n" + long + "\n")
-    line = refusal(cli("adapter", "train", "--new", encoder, "--old", encoder, "--unet", "none", "--corpus", corpus,
-                       "--epochs", "1", "--out", tmp_path / "a"))  # fmt: skip
+    line = refusal(
+        cli(
+            "adapter",
+            "train",
+            "--new",
+            encoder,
+            "--old",
+            encoder,
+            "--unet",
+            "none",
+            "--corpus",
+            corpus,
+            "--epochs",
+            "1",
+            "--out",
+            tmp_path / "a",
+        )
+    )
     assert "tokens long" in line
 
 
@@ -119,42 +156,119 @@ def test_8_encode_refuses_instead_of_cutting(bert):
 
 def test_9_a_token_model_is_refused_as_the_pooled_one(cli, micro_minisd):
     folder, encoder = micro_minisd
-    line = refusal(cli("condition", "--unet", folder, "--text-encoder", encoder, "--generate", "--count", "1",
-                       "--steps", "1", "--pooled-model", folder))  # fmt: skip
+    line = refusal(
+        cli(
+            "condition",
+            "--unet",
+            folder,
+            "--text-encoder",
+            encoder,
+            "--generate",
+            "--count",
+            "1",
+            "--steps",
+            "1",
+            "--pooled-model",
+            folder,
+        )
+    )
     assert "must be trained on the pooled state" in line and "trained on tokens" in line
 
 
 # --- 10. flags accepted and ignored, or contradictory ------------------------------------------------------
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["condition", "--timestep", "5000"], "timesteps are 0 to 999"),
-    (["condition", "--timestep", str(2**63 - 1)], "timesteps are 0 to 999"),
-    (["scoretable", "--chunk-budget", "1MiB"], "--chunk-budget does not apply without --measure or --plot"),
-    (["scoretable", "--size", "256", "--height", "512"], "--size does not apply with --height"),
-    (["scoretable", "--size", "256", "--width", "512"], "--size does not apply with --height or --width"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["condition", "--timestep", "5000"], "timesteps are 0 to 999"),
+        (["condition", "--timestep", str(2**63 - 1)], "timesteps are 0 to 999"),
+        (["scoretable", "--chunk-budget", "1MiB"], "--chunk-budget does not apply without --measure or --plot"),
+        (["scoretable", "--size", "256", "--height", "512"], "--size does not apply with --height"),
+        (["scoretable", "--size", "256", "--width", "512"], "--size does not apply with --height or --width"),
+    ],
+)
 def test_10_contradictions_in_fast_commands(cli, argv, words):
     assert words in refusal(cli(*argv))
 
 
 def test_10_contradictions_in_the_mini_sd_commands(cli, micro_minisd, encoder384, tmp_path):
     folder, encoder = micro_minisd
-    line = refusal(cli("minisd", "train", "--text-encoder", encoder384, "--pair-fraction", "0", "--swap-fraction", "1",
-                       "--steps", "1", "--out", tmp_path / "m"))  # fmt: skip
+    line = refusal(
+        cli(
+            "minisd",
+            "train",
+            "--text-encoder",
+            encoder384,
+            "--pair-fraction",
+            "0",
+            "--swap-fraction",
+            "1",
+            "--steps",
+            "1",
+            "--out",
+            tmp_path / "m",
+        )
+    )
     assert "pair_fraction 0 draws none" in line
-    line = refusal(cli("minisd", "sample", "a red circle to the left of a blue square", "--model", folder,
-                       "--text-encoder", encoder, "--guide", "layout", "--guide-resolution", "4", "--guide-layers",
-                       "x", "--out", tmp_path / "x.png"))  # fmt: skip
+    line = refusal(
+        cli(
+            "minisd",
+            "sample",
+            "a red circle to the left of a blue square",
+            "--model",
+            folder,
+            "--text-encoder",
+            encoder,
+            "--guide",
+            "layout",
+            "--guide-resolution",
+            "4",
+            "--guide-layers",
+            "x",
+            "--out",
+            tmp_path / "x.png",
+        )
+    )
     assert "--guide-resolution does not apply with --guide-layers" in line
     for option in (["--layer", "penultimate"], ["--tokenizer", encoder]):
         line = refusal(cli("condition", "--unet", folder, "--text-encoder", encoder, *option))
         assert "does not apply with a mini SD as --unet" in line
-    line = refusal(cli("adapter", "train", "--new", encoder, "--old", encoder, "--corpus", tmp_path / "c.txt",
-                       "--generate", "5", "--unet", "none", "--out", tmp_path / "a1"))  # fmt: skip
+    line = refusal(
+        cli(
+            "adapter",
+            "train",
+            "--new",
+            encoder,
+            "--old",
+            encoder,
+            "--corpus",
+            tmp_path / "c.txt",
+            "--generate",
+            "5",
+            "--unet",
+            "none",
+            "--out",
+            tmp_path / "a1",
+        )
+    )
     assert "--generate does not apply with --corpus" in line
-    line = refusal(cli("adapter", "train", "--new", encoder, "--old", encoder, "--judge", "5", "--unet", "tiny",
-                       "--out", tmp_path / "a2"))  # fmt: skip
+    line = refusal(
+        cli(
+            "adapter",
+            "train",
+            "--new",
+            encoder,
+            "--old",
+            encoder,
+            "--judge",
+            "5",
+            "--unet",
+            "tiny",
+            "--out",
+            tmp_path / "a2",
+        )
+    )
     assert "--judge does not apply without a mini SD" in line
     assert not any(tmp_path.iterdir())
 
@@ -162,8 +276,9 @@ def test_10_contradictions_in_the_mini_sd_commands(cli, micro_minisd, encoder384
 # --- 11. the library refuses what it cannot do, in its own error type ----------------------------------
 
 
-@pytest.mark.parametrize("kwargs", [{"image_size": -64}, {"image_size": 0}, {"context_dim": -5}, {"context_dim": 0},
-                                    {"image_size": 64.0}])  # fmt: skip
+@pytest.mark.parametrize(
+    "kwargs", [{"image_size": -64}, {"image_size": 0}, {"context_dim": -5}, {"context_dim": 0}, {"image_size": 64.0}]
+)
 def test_11_audit_sizes_must_be_positive_whole_numbers(kwargs):
     from sdkit.audit import audit
 
@@ -181,13 +296,16 @@ def test_11_sample_grid_needs_a_caption_and_seed_per_image(tmp_path):
     assert not (tmp_path / "g.png").exists()
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    ({"num_inference_steps": 1.5}, "num_inference_steps must be a whole number"),
-    ({"batch_size": 0}, "batch_size must be a whole number"),
-    ({"seeds": [2**64]}, "a seed is a whole number from 0 to 2^63 - 1"),
-    ({"seeds": [-1]}, "a seed is a whole number from 0 to 2^63 - 1"),
-    ({"negative_prompt_embeds": "three rows"}, "negative_prompt_embeds holds 3 rows"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"num_inference_steps": 1.5}, "num_inference_steps must be a whole number"),
+        ({"batch_size": 0}, "batch_size must be a whole number"),
+        ({"seeds": [2**64]}, "a seed is a whole number from 0 to 2^63 - 1"),
+        ({"seeds": [-1]}, "a seed is a whole number from 0 to 2^63 - 1"),
+        ({"negative_prompt_embeds": "three rows"}, "negative_prompt_embeds holds 3 rows"),
+    ],
+)
 def test_11_the_pipeline_refuses_bad_arguments(micro_minisd, kwargs, words):
     from sdkit.minisd.pipeline import MiniSDPipeline
 
@@ -216,25 +334,49 @@ def test_11_trace_items_and_heads_out_of_range(tiny_unet):
 # --- 12. a model folder with one field changed: one line, not a traceback --------------------------------
 
 
-@pytest.mark.parametrize("file, changes, words", [
-    ("unet/config.json", {"sample_size": 1000000}, "sample_size 1000000 is not minisd.json's image_size"),
-    ("unet/config.json", {"sample_size": 0}, "sample_size 0 is not minisd.json's image_size"),
-    ("scheduler/scheduler_config.json", {"prediction_type": "foo"}, "prediction_type must be one of"),
-    ("scheduler/scheduler_config.json", {"num_train_timesteps": 10**9}, "num_train_timesteps must be a whole number"),
-    ("scheduler/scheduler_config.json", {"beta_end": 5.0}, "betas must lie in (0, 1]"),
-    ("minisd.json", {"coordinates": True}, "needs 5 in (RGB and 2 coordinates)"),
-    ("minisd.json", {"image_size": 1000000}, "image_size must be a whole number of pixels from 12 to 512"),
-    ("minisd.json", {"training": {"settings": [1, 2]}}, "training.settings must be an object"),
-    ("minisd.json", {"training": {"checkpoint_step": "x"}}, "training.checkpoint_step must be a whole number"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "file, changes, words",
+    [
+        ("unet/config.json", {"sample_size": 1000000}, "sample_size 1000000 is not minisd.json's image_size"),
+        ("unet/config.json", {"sample_size": 0}, "sample_size 0 is not minisd.json's image_size"),
+        ("scheduler/scheduler_config.json", {"prediction_type": "foo"}, "prediction_type must be one of"),
+        (
+            "scheduler/scheduler_config.json",
+            {"num_train_timesteps": 10**9},
+            "num_train_timesteps must be a whole number",
+        ),
+        ("scheduler/scheduler_config.json", {"beta_end": 5.0}, "betas must lie in (0, 1]"),
+        ("minisd.json", {"coordinates": True}, "needs 5 in (RGB and 2 coordinates)"),
+        ("minisd.json", {"image_size": 1000000}, "image_size must be a whole number of pixels from 12 to 512"),
+        ("minisd.json", {"training": {"settings": [1, 2]}}, "training.settings must be an object"),
+        ("minisd.json", {"training": {"checkpoint_step": "x"}}, "training.checkpoint_step must be a whole number"),
+    ],
+)
 def test_12_a_model_folder_with_one_field_changed(cli, micro_minisd, tmp_path, file, changes, words):
     model = edited_model(micro_minisd, tmp_path, file, **changes)
     encoder = micro_minisd[1]
-    line = refusal(cli("minisd", "sample", "a red circle", "--model", model, "--text-encoder", encoder, "--seeds", "1",
-                       "--steps", "1", "--out", tmp_path / "x.png"))  # fmt: skip
+    line = refusal(
+        cli(
+            "minisd",
+            "sample",
+            "a red circle",
+            "--model",
+            model,
+            "--text-encoder",
+            encoder,
+            "--seeds",
+            "1",
+            "--steps",
+            "1",
+            "--out",
+            tmp_path / "x.png",
+        )
+    )
     assert words in line
     if not file.startswith("scheduler"):  # condition runs one forward pass, without the scheduler
-        assert words in refusal(cli("condition", "--unet", model, "--text-encoder", encoder, "--prompt", "a red circle"))
+        assert words in refusal(
+            cli("condition", "--unet", model, "--text-encoder", encoder, "--prompt", "a red circle")
+        )
 
 
 def test_12_an_audit_of_a_config_that_is_a_list(cli, micro_minisd, tmp_path):
@@ -248,10 +390,13 @@ def test_12_an_audit_of_a_config_that_is_a_list(cli, micro_minisd, tmp_path):
 
 
 def test_13_training_sizes_are_bounded_first(cli, encoder384, tmp_path):
-    line = refusal(cli("minisd", "train", "--text-encoder", encoder384, "--image-size", "100000", "--out", tmp_path / "m"))
+    line = refusal(
+        cli("minisd", "train", "--text-encoder", encoder384, "--image-size", "100000", "--out", tmp_path / "m")
+    )
     assert "image_size must be 12" in line and "to 512 pixels" in line
-    line = refusal(cli("minisd", "train", "--text-encoder", encoder384, "--batch-size", "100000000", "--out",
-                       tmp_path / "m"))  # fmt: skip
+    line = refusal(
+        cli("minisd", "train", "--text-encoder", encoder384, "--batch-size", "100000000", "--out", tmp_path / "m")
+    )
     assert "a batch of 100,000,000 images at 32x32 needs at least" in line and "TiB" in line
     assert not (tmp_path / "m").exists()
 
@@ -260,7 +405,7 @@ def test_13_the_floor_under_a_batch_is_below_what_it_takes(bert):
     """The refusal's estimate is a floor: a batch it admits may still be large, one it refuses could
     never train. Held against the measured peak of one training step."""
     from sdkit.common import peak_rss
-    from sdkit.minisd.train import recipe_unet, training_bytes_per_image, TrainSettings
+    from sdkit.minisd.train import TrainSettings, recipe_unet, training_bytes_per_image
     from sdkit.presets import preset_config
 
     config = {**preset_config("minisd"), "cross_attention_dim": bert.width}
@@ -276,12 +421,15 @@ def test_13_the_floor_under_a_batch_is_below_what_it_takes(bert):
     assert batch * training_bytes_per_image(config) < peak
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["minisd", "sample", "a red circle", "--seeds", "100000000"], "keeps at least"),
-    (["minisd", "sample", "a red circle", "--seeds", "3000"], "a picture holds at most 256"),
-    (["minisd", "eval", "--count", "100000000", "--no-floors"], "keeps at least"),
-    (["condition", "--masks", "--count", "100000000"], "keeps at least"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["minisd", "sample", "a red circle", "--seeds", "100000000"], "keeps at least"),
+        (["minisd", "sample", "a red circle", "--seeds", "3000"], "a picture holds at most 256"),
+        (["minisd", "eval", "--count", "100000000", "--no-floors"], "keeps at least"),
+        (["condition", "--masks", "--count", "100000000"], "keeps at least"),
+    ],
+)
 def test_13_image_counts_are_bounded_before_sampling(cli, micro_minisd, tmp_path, argv, words):
     folder, encoder = micro_minisd
     model_flag = "--unet" if argv[0] == "condition" else "--model"
@@ -298,8 +446,24 @@ def test_14_map_sides_that_match_no_level_are_refused_before_the_passes(cli, tmp
 
 
 def test_14_heavy_loss_weights_are_named_when_training_diverges(cli, encoder384, tmp_path):
-    line = refusal(cli("minisd", "train", "--text-encoder", encoder384, "--steps", "1", "--no-compile", "--json",
-                       "--batch-size", "2", "--grounding-weight", "1e308", "--out", tmp_path / "m"))  # fmt: skip
+    line = refusal(
+        cli(
+            "minisd",
+            "train",
+            "--text-encoder",
+            encoder384,
+            "--steps",
+            "1",
+            "--no-compile",
+            "--json",
+            "--batch-size",
+            "2",
+            "--grounding-weight",
+            "1e308",
+            "--out",
+            tmp_path / "m",
+        )
+    )
     assert "diverged" in line and "lower --grounding-weight" in line and "lr" not in line
 
 
@@ -311,7 +475,20 @@ def test_14_an_audit_of_an_empty_tensor(cli, tmp_path):
 
 def test_14_emoji_in_a_prompt_draw_without_a_warning(cli, micro_minisd, tmp_path, recwarn):
     folder, encoder = micro_minisd
-    code, _, err = cli("minisd", "sample", "a red circle 🙂", "--model", folder, "--text-encoder", encoder, "--seeds",
-                       "1", "--steps", "1", "--out", tmp_path / "e.png")  # fmt: skip
+    code, _, err = cli(
+        "minisd",
+        "sample",
+        "a red circle 🙂",
+        "--model",
+        folder,
+        "--text-encoder",
+        encoder,
+        "--seeds",
+        "1",
+        "--steps",
+        "1",
+        "--out",
+        tmp_path / "e.png",
+    )
     assert code == 0, err
     assert not [w for w in recwarn if "Glyph" in str(w.message)]

@@ -7,8 +7,8 @@ from sdkit.scoretable import (
     attention_scores,
     chunked_attention,
     format_score_tables,
-    latent_grid,
     largest_naive_tokens,
+    latent_grid,
     measure,
     naive_attention,
     predicted_peak,
@@ -32,8 +32,13 @@ def test_512_latent_against_pixel():
 
 def test_doubling_the_side_gives_16x_the_table():
     sweep = {s["scale"]: s for s in score_tables(512).sweep}
-    assert [(s["height"], s["width"]) for s in sweep.values()] == [(256, 256), (512, 512), (768, 768), (1024, 1024),
-                                                                    (2048, 2048)]  # fmt: skip
+    assert [(s["height"], s["width"]) for s in sweep.values()] == [
+        (256, 256),
+        (512, 512),
+        (768, 768),
+        (1024, 1024),
+        (2048, 2048),
+    ]
     for small, big in [(0.5, 1), (1, 2), (2, 4)]:
         assert sweep[big]["tokens"] == 4 * sweep[small]["tokens"]
         assert sweep[big]["entries_per_head"] == 16 * sweep[small]["entries_per_head"]
@@ -46,8 +51,13 @@ def test_batch_cfg_and_non_square():
     assert finest.grid == (64, 96) and finest.tokens == 6144
     assert finest.bytes_all_heads == 6144**2 * 4 * 8 * 4  # fp32, 8 heads, batch 2 x 2
     # the sweep keeps 2:3, and compares against the requested size, not a square 512
-    assert [(s["height"], s["width"]) for s in t.sweep] == [(256, 384), (512, 768), (768, 1152), (1024, 1536),
-                                                            (2048, 3072)]  # fmt: skip
+    assert [(s["height"], s["width"]) for s in t.sweep] == [
+        (256, 384),
+        (512, 768),
+        (768, 1152),
+        (1024, 1536),
+        (2048, 3072),
+    ]
     assert [s["cells_vs_requested"] for s in t.sweep] == [0.25, 1, 2.25, 4, 16]
     assert "Size sweep at the requested aspect ratio" in format_score_tables(t) and "512x768" in format_score_tables(t)
 
@@ -55,7 +65,12 @@ def test_batch_cfg_and_non_square():
 def test_cross_attention_tables_are_cells_by_text_tokens():
     t = score_tables(512)
     assert [(lv.tokens, lv.layers, lv.entries_per_head) for lv in t.cross] == [
-        (4096, 5, 4096 * 77), (1024, 5, 1024 * 77), (256, 5, 256 * 77), (64, 1, 64 * 77), (262_144, 0, 262_144 * 77)]
+        (4096, 5, 4096 * 77),
+        (1024, 5, 1024 * 77),
+        (256, 5, 256 * 77),
+        (64, 1, 64 * 77),
+        (262_144, 0, 262_144 * 77),
+    ]
     assert t.cross[0].bytes_per_head == 4096 * 77 * 2  # float16
     assert t.cross[-1].entries_per_head // t.cross[0].entries_per_head == 64  # linear in cells, unlike self-attention
     assert score_tables(512, text_tokens=154).cross[0].entries_per_head == 4096 * 154
@@ -105,11 +120,13 @@ def test_largest_tokens_inverts_the_prediction():
 
 
 def test_measure_on_cpu_skips_what_does_not_fit():
-    ms = measure(512, heads=2, head_dim=40, dtype="float32", device="cpu", budget=1_500_000, chunk_budget=2**16,
-                 repeats=1)  # fmt: skip
+    ms = measure(
+        512, heads=2, head_dim=40, dtype="float32", device="cpu", budget=1_500_000, chunk_budget=2**16, repeats=1
+    )
     by = {m.implementation: m for m in ms}
-    assert by["naive"].skipped == ("naive attention at 512 tokens needs 2.6 MiB for 2 float32 heads; "
-                                   "the budget is 1.4 MiB")  # fmt: skip
+    assert by["naive"].skipped == (
+        "naive attention at 512 tokens needs 2.6 MiB for 2 float32 heads; the budget is 1.4 MiB"
+    )
     assert by["naive"].peak_bytes is None
     assert by["chunked"].chunk_rows == 16 and by["chunked"].peak_bytes > 0 and by["chunked"].reference
     assert by["sdpa"].max_rel_diff <= 1e-5 and by["sdpa"].backend
@@ -147,8 +164,22 @@ def test_gpu_script_logic_on_cpu(tmp_path):
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     out = tmp_path / "gpu.json"
-    report = script.main(["--device", "cpu", "--latent-tokens", "256", "--pixel-tokens", "1024",
-                          "--budget", "16MiB", "--dtype", "float32", "--out", str(out)])  # fmt: skip
+    report = script.main(
+        [
+            "--device",
+            "cpu",
+            "--latent-tokens",
+            "256",
+            "--pixel-tokens",
+            "1024",
+            "--budget",
+            "16MiB",
+            "--dtype",
+            "float32",
+            "--out",
+            str(out),
+        ]
+    )
     assert json.loads(out.read_text())["latent"][0]["tokens"] == 256
     largest = report["largest_naive"][-1]
     assert largest["peak_bytes"] and largest["predicted_bytes"] <= 0.9 * 16 * 2**20

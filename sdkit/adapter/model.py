@@ -19,7 +19,6 @@ from torch import nn
 from ..common import SdkitError
 from ..encoders import TextEncoder
 
-
 KINDS = ("linear", "mlp", "mixer")
 
 
@@ -39,8 +38,14 @@ class TextEncoderAdapter(ModelMixin, ConfigMixin):
     """
 
     @register_to_config
-    def __init__(self, kind: str = "linear", in_dim: int = 1024, out_dim: int = 768, hidden_dim: int | None = None,
-                 standardize: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        kind: str = "linear",
+        in_dim: int = 1024,
+        out_dim: int = 768,
+        hidden_dim: int | None = None,
+        standardize: bool = False,
+    ):
         super().__init__()
         if kind not in KINDS:
             raise SdkitError(f"unknown adapter kind {kind!r}; choose one of {', '.join(KINDS)}")
@@ -53,8 +58,14 @@ class TextEncoderAdapter(ModelMixin, ConfigMixin):
         if kind == "mixer":
             hidden = hidden_dim or 256
             self.mix_in = nn.Linear(in_dim, hidden)
-            self.mixer = nn.TransformerEncoderLayer(hidden, nhead=max(1, hidden // 64), dim_feedforward=2 * hidden,
-                                                    dropout=0.0, batch_first=True, norm_first=True)  # fmt: skip
+            self.mixer = nn.TransformerEncoderLayer(
+                hidden,
+                nhead=max(1, hidden // 64),
+                dim_feedforward=2 * hidden,
+                dropout=0.0,
+                batch_first=True,
+                norm_first=True,
+            )
             self.mix_out = nn.Linear(hidden, out_dim)
             nn.init.zeros_(self.mix_out.weight)
             nn.init.zeros_(self.mix_out.bias)
@@ -79,10 +90,14 @@ class TextEncoderAdapter(ModelMixin, ConfigMixin):
 
     def check_width(self, states: torch.Tensor) -> None:
         if states.shape[-1] != self.config.in_dim:
-            raise SdkitError(f"the adapter reads {self.config.in_dim}-wide text states, but these are "
-                             f"{states.shape[-1]} wide (shape {list(states.shape)})")  # fmt: skip
+            raise SdkitError(
+                f"the adapter reads {self.config.in_dim}-wide text states, but these are "
+                f"{states.shape[-1]} wide (shape {list(states.shape)})"
+            )
 
-    def forward(self, states: torch.Tensor, mask: torch.Tensor | None = None, standardized: bool = False) -> torch.Tensor:
+    def forward(
+        self, states: torch.Tensor, mask: torch.Tensor | None = None, standardized: bool = False
+    ) -> torch.Tensor:
         """Adapted states; with standardized=True, the network's output before the target scaling
         (what training fits). `mask` (batch, tokens), true at real tokens, is what the mixer may
         read (default: every position, as CLIP's padding holds states)."""
@@ -94,7 +109,9 @@ class TextEncoderAdapter(ModelMixin, ConfigMixin):
             out = out + self.mlp(states)
         if self.config.kind == "mixer":
             if states.ndim != 3:
-                raise SdkitError(f"a mixer adapter reads token sequences (batch, tokens, width), not {list(states.shape)}")
+                raise SdkitError(
+                    f"a mixer adapter reads token sequences (batch, tokens, width), not {list(states.shape)}"
+                )
             padding = None if mask is None else ~mask.bool()
             out = out + self.mix_out(self.mixer(self.mix_in(states), src_key_padding_mask=padding))
         if standardized or not self.config.standardize:
@@ -105,8 +122,9 @@ class TextEncoderAdapter(ModelMixin, ConfigMixin):
         """An equal adapter with the whitening and target scaling folded into its layers."""
         if not self.config.standardize:
             return self
-        plain = TextEncoderAdapter(self.config.kind, self.config.in_dim, self.config.out_dim,
-                                   self.config.hidden_dim, standardize=False)  # fmt: skip
+        plain = TextEncoderAdapter(
+            self.config.kind, self.config.in_dim, self.config.out_dim, self.config.hidden_dim, standardize=False
+        )
         whitening, mean_in = self.input_whitening.double(), self.input_mean.double()
         std, mean_out = self.target_std.double(), self.target_mean.double()
 
@@ -147,20 +165,21 @@ def load_adapter(folder: str | os.PathLike) -> TextEncoderAdapter:
         kind = config.get("_class_name") if isinstance(config, dict) else None
         raise SdkitError(f"{folder}: not an adapter folder (its config.json is for {kind!r})")
     if not (folder / "diffusion_pytorch_model.safetensors").is_file():
-        raise SdkitError(f"{folder}: no diffusion_pytorch_model.safetensors here (adapters are read from safetensors "
-                         "only; a .bin would be a pickle)")  # fmt: skip
+        raise SdkitError(
+            f"{folder}: no diffusion_pytorch_model.safetensors here (adapters are read from safetensors "
+            "only; a .bin would be a pickle)"
+        )
     try:
         return TextEncoderAdapter.from_pretrained(folder, use_safetensors=True).eval()
     except Exception as e:  # diffusers raises many types for a folder it cannot load: all mean that
         raise SdkitError(f"{folder}: cannot load the adapter ({str(e).strip().splitlines()[0]})") from None
 
 
-
 @torch.no_grad()
 def adapted_embeddings(adapter: TextEncoderAdapter, encoder: TextEncoder, prompts: list[str]) -> torch.Tensor:
     """Prompt embeddings for a frozen SD 1.x U-Net: the new encoder's states through the adapter.
 
-    Pass them to diffusers' StableDiffusionPipeline as prompt_embeds (see README).
+    Pass them to diffusers' StableDiffusionPipeline as prompt_embeds (see docs/commands/adapter.md).
     """
     states = encoder.encode(prompts).float()
     adapter.check_width(states)

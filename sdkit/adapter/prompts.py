@@ -20,20 +20,99 @@ from ..encoders import TextEncoder, TokenRoles, encoder_fingerprint, token_roles
 ROLE_CODES = {"bos": 0, "word": 1, "eos": 2, "padding": 3}
 
 
-_SUBJECTS = ["a cat", "a dog", "an old man", "a young woman", "two children", "a red fox", "a horse", "a robot",
-             "a lighthouse", "a castle", "a bowl of fruit", "a vintage car", "a sailboat", "an owl", "a dragon",
-             "a cup of coffee", "a mountain village", "a city street", "a forest path", "an astronaut",
-             "a bicycle", "a wooden cabin", "a teapot", "a whale", "a field of sunflowers", "a knight",
-             "a bookshop", "a train station", "a jellyfish", "a chess board"]  # fmt: skip
-_ADJECTIVES = ["", "small", "giant", "ancient", "colorful", "misty", "glowing", "rusty", "snowy", "golden",
-               "dark", "tiny", "majestic", "abandoned", "futuristic", "cozy"]  # fmt: skip
-_PLACES = ["", "on a beach", "in a forest", "at sunset", "in the rain", "under the stars", "in a busy market",
-           "on a mountain top", "in a kitchen", "by a river", "in the desert", "in a snowy field",
-           "inside a library", "on the moon", "in a garden", "at night"]  # fmt: skip
-_STYLES = ["", "a photo of", "an oil painting of", "a watercolor of", "a pencil sketch of", "a 3d render of",
-           "a close-up photograph of", "an illustration of", "a cinematic shot of", "a pixel art image of"]  # fmt: skip
-_EXTRAS = ["", "highly detailed", "soft lighting", "wide angle", "trending on artstation", "black and white",
-           "bokeh", "4k", "in the style of van gogh", "dramatic shadows", "pastel colors"]  # fmt: skip
+_SUBJECTS = [
+    "a cat",
+    "a dog",
+    "an old man",
+    "a young woman",
+    "two children",
+    "a red fox",
+    "a horse",
+    "a robot",
+    "a lighthouse",
+    "a castle",
+    "a bowl of fruit",
+    "a vintage car",
+    "a sailboat",
+    "an owl",
+    "a dragon",
+    "a cup of coffee",
+    "a mountain village",
+    "a city street",
+    "a forest path",
+    "an astronaut",
+    "a bicycle",
+    "a wooden cabin",
+    "a teapot",
+    "a whale",
+    "a field of sunflowers",
+    "a knight",
+    "a bookshop",
+    "a train station",
+    "a jellyfish",
+    "a chess board",
+]
+_ADJECTIVES = [
+    "",
+    "small",
+    "giant",
+    "ancient",
+    "colorful",
+    "misty",
+    "glowing",
+    "rusty",
+    "snowy",
+    "golden",
+    "dark",
+    "tiny",
+    "majestic",
+    "abandoned",
+    "futuristic",
+    "cozy",
+]
+_PLACES = [
+    "",
+    "on a beach",
+    "in a forest",
+    "at sunset",
+    "in the rain",
+    "under the stars",
+    "in a busy market",
+    "on a mountain top",
+    "in a kitchen",
+    "by a river",
+    "in the desert",
+    "in a snowy field",
+    "inside a library",
+    "on the moon",
+    "in a garden",
+    "at night",
+]
+_STYLES = [
+    "",
+    "a photo of",
+    "an oil painting of",
+    "a watercolor of",
+    "a pencil sketch of",
+    "a 3d render of",
+    "a close-up photograph of",
+    "an illustration of",
+    "a cinematic shot of",
+    "a pixel art image of",
+]
+_EXTRAS = [
+    "",
+    "highly detailed",
+    "soft lighting",
+    "wide angle",
+    "trending on artstation",
+    "black and white",
+    "bokeh",
+    "4k",
+    "in the style of van gogh",
+    "dramatic shadows",
+    "pastel colors",
+]
 
 
 def generate_prompts(n: int, seed: int = 0, empty_fraction: float = 0.01) -> list[str]:
@@ -89,8 +168,9 @@ class EncodedPrompts:
     padding_states: bool  # whether padding positions hold encoder states (CLIP) or zeros (masked encoders)
 
     def subset(self, index: list[int]) -> EncodedPrompts:
-        return EncodedPrompts([self.prompts[i] for i in index], self.new[index], self.old[index], self.roles[index],
-                              self.padding_states)  # fmt: skip
+        return EncodedPrompts(
+            [self.prompts[i] for i in index], self.new[index], self.old[index], self.roles[index], self.padding_states
+        )
 
     @property
     def real(self) -> torch.Tensor:
@@ -140,8 +220,15 @@ def _piece(token: str) -> str:
     return token.removesuffix("</w>").removeprefix("##").removeprefix("Ġ").removeprefix("▁").lower()
 
 
-def encode_prompts(new: TextEncoder, old: TextEncoder, prompts: list[str], cache_dir: str | os.PathLike | None = None,
-                   batch_size: int = 64, shard_prompts: int = 1024, progress: bool = True) -> tuple[EncodedPrompts, bool]:  # fmt: skip
+def encode_prompts(
+    new: TextEncoder,
+    old: TextEncoder,
+    prompts: list[str],
+    cache_dir: str | os.PathLike | None = None,
+    batch_size: int = 64,
+    shard_prompts: int = 1024,
+    progress: bool = True,
+) -> tuple[EncodedPrompts, bool]:
     """Encode prompts with both encoders, or read them from the cache; returns (data, from_cache).
 
     The cache is keyed by both encoders' fingerprints and the prompts: it is reused when they
@@ -153,8 +240,13 @@ def encode_prompts(new: TextEncoder, old: TextEncoder, prompts: list[str], cache
 
     if new.max_length != old.max_length:
         raise SdkitError(f"the encoders have different lengths ({new.max_length} vs {old.max_length} tokens)")
-    settings = {"format": 2, "new": encoder_fingerprint(new), "old": encoder_fingerprint(old),
-                "prompts_sha256": hashlib.sha256("\n".join(prompts).encode()).hexdigest(), "count": len(prompts)}  # fmt: skip
+    settings = {
+        "format": 2,
+        "new": encoder_fingerprint(new),
+        "old": encoder_fingerprint(old),
+        "prompts_sha256": hashlib.sha256("\n".join(prompts).encode()).hexdigest(),
+        "count": len(prompts),
+    }
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     folder = Path(cache_dir) / key if cache_dir else None
     if folder and (folder / "index.json").is_file():
@@ -208,8 +300,12 @@ def distinct_prompts(new: TextEncoder, old: TextEncoder, prompts: list[str]) -> 
     Two prompts are the same when both encoders read the same tokens (their tokenizers' own
     normalisation: case, accents, spacing, and truncation to the positions they read), since
     then their states are the same: a repeat in two splits is a test prompt seen in training."""
-    keys = zip(*(encoder.tokenizer(list(prompts), truncation=True, max_length=encoder.max_length)["input_ids"]
-                 for encoder in (new, old)))  # fmt: skip
+    keys = zip(
+        *(
+            encoder.tokenizer(list(prompts), truncation=True, max_length=encoder.max_length)["input_ids"]
+            for encoder in (new, old)
+        )
+    )
     seen, kept = set(), []
     for prompt, key in zip(prompts, keys):
         key = tuple(map(tuple, key))

@@ -22,8 +22,9 @@ from ..common import SdkitError, atomic_path
 from .model import TextEncoderAdapter
 
 
-def split_by_prompt(n: int, seed: int = 0, val: float = 0.1, test: float = 0.1,
-                    train_only=()) -> tuple[list[int], list[int], list[int]]:  # fmt: skip
+def split_by_prompt(
+    n: int, seed: int = 0, val: float = 0.1, test: float = 0.1, train_only=()
+) -> tuple[list[int], list[int], list[int]]:
     """Train / validation / held-out test indices, by prompt (no prompt's tokens in two splits).
 
     `train_only` indices always train (the empty prompt: the unconditional embedding is needed,
@@ -33,8 +34,11 @@ def split_by_prompt(n: int, seed: int = 0, val: float = 0.1, test: float = 0.1,
     n_test, n_val = max(1, round(n * test)), max(1, round(n * val))
     if n - n_test - n_val < 1 or len(order) < n_test + n_val:
         raise SdkitError(f"{n} distinct prompts are too few to split into train, validation and test")
-    return sorted(order[n_test + n_val :] + list(train_only)), sorted(order[n_test : n_test + n_val]), \
-        sorted(order[:n_test])  # fmt: skip
+    return (
+        sorted(order[n_test + n_val :] + list(train_only)),
+        sorted(order[n_test : n_test + n_val]),
+        sorted(order[:n_test]),
+    )
 
 
 # --- fitting and training -----------------------------------------------------------------------
@@ -83,25 +87,35 @@ def preflight_adapter(config: TrainConfig, in_dim: int, out_dim: int) -> None:
     from ..common import available_memory, format_bytes
 
     if not 0 < config.lr <= MAX_LR:
-        raise SdkitError(f"the learning rate must lie in (0, {MAX_LR:g}], not {config.lr:g} (AdamW moves each weight "
-                         "by about lr a step)")  # fmt: skip
+        raise SdkitError(
+            f"the learning rate must lie in (0, {MAX_LR:g}], not {config.lr:g} (AdamW moves each weight "
+            "by about lr a step)"
+        )
     if not 0 < config.batch_size < 2**31:  # a batch larger than the data is all of it; past this, no loader takes it
         raise SdkitError(f"the batch size must be 1 to 2^31 - 1 tokens, not {config.batch_size:,}")
     with init_empty_weights(include_buffers=True):
         shape = TextEncoderAdapter(config.kind, in_dim, out_dim, config.hidden_dim, config.standardize)
     need = 4 * (5 * sum(p.numel() for p in shape.parameters()) + sum(b.numel() for b in shape.buffers()))
     if need > available_memory():
-        raise SdkitError(f"a {config.kind} adapter {in_dim} -> {out_dim} with hidden width {config.hidden_dim} needs "
-                         f"about {format_bytes(need)} to train; {format_bytes(available_memory())} is free")  # fmt: skip
+        raise SdkitError(
+            f"a {config.kind} adapter {in_dim} -> {out_dim} with hidden width {config.hidden_dim} needs "
+            f"about {format_bytes(need)} to train; {format_bytes(available_memory())} is free"
+        )
 
 
 class Interrupted(Exception):
     """Raised by the stop_after hook of train_adapter, to simulate a run killed after a checkpoint."""
 
 
-def train_adapter(train: tuple, val: tuple, config: TrainConfig, checkpoint: str | os.PathLike | None = None,
-                  progress: bool = True, stop_after: int | None = None,
-                  data_key: str = "") -> tuple[TextEncoderAdapter, list[dict]]:  # fmt: skip
+def train_adapter(
+    train: tuple,
+    val: tuple,
+    config: TrainConfig,
+    checkpoint: str | os.PathLike | None = None,
+    progress: bool = True,
+    stop_after: int | None = None,
+    data_key: str = "",
+) -> tuple[TextEncoderAdapter, list[dict]]:
     """Train an adapter with accelerate; returns (best adapter, history).
 
     train and val are (new, old) token pairs, (tokens, width) each; for the mixer, which reads
@@ -120,8 +134,12 @@ def train_adapter(train: tuple, val: tuple, config: TrainConfig, checkpoint: str
 
     sequences = len(train) == 3
     if sequences != (config.kind == "mixer"):
-        raise SdkitError(f"a {config.kind} adapter trains on {'token sequences' if config.kind == 'mixer' else 'tokens'}")
-    accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=config.seed))
+        raise SdkitError(
+            f"a {config.kind} adapter trains on {'token sequences' if config.kind == 'mixer' else 'tokens'}"
+        )
+    accelerator = Accelerator(
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=config.seed)
+    )
     x, y = train[:2]
     mask = train[2].bool() if sequences else torch.ones(x.shape[:-1], dtype=torch.bool)
     flat_x, flat_y = x[mask], y[mask]
@@ -161,11 +179,17 @@ def train_adapter(train: tuple, val: tuple, config: TrainConfig, checkpoint: str
     best_weights = copy.deepcopy(raw.state_dict())
     if checkpoint and Path(checkpoint).is_file():
         state, best_weights = _load_checkpoint(checkpoint, raw, optimizer, config, fingerprint)
-    bar = tqdm(total=config.max_epochs, initial=state["epoch"], desc=f"training {config.kind}", unit="epoch",
-               disable=not progress or not accelerator.is_main_process)  # fmt: skip
+    bar = tqdm(
+        total=config.max_epochs,
+        initial=state["epoch"],
+        desc=f"training {config.kind}",
+        unit="epoch",
+        disable=not progress or not accelerator.is_main_process,
+    )
     # Epochs are numbered as in the history: epoch 0 is the start, before any training.
-    bar.set_postfix(epoch=state["epoch"], val_rel_mse=f"{state['history'][-1]['val_rel_mse']:.4f}",
-                    best=f"{state['best']:.4f}")  # fmt: skip
+    bar.set_postfix(
+        epoch=state["epoch"], val_rel_mse=f"{state['history'][-1]['val_rel_mse']:.4f}", best=f"{state['best']:.4f}"
+    )
     while state["epoch"] < config.max_epochs and state["bad_epochs"] < config.patience:
         model.train()
         loader.set_epoch(state["epoch"])
@@ -188,14 +212,24 @@ def train_adapter(train: tuple, val: tuple, config: TrainConfig, checkpoint: str
         model.eval()
         val_rel = validation_error()
         # every process's share of the epoch's loss, not the main process's alone
-        total, count = accelerator.reduce(torch.tensor([total, float(count)], device=accelerator.device), "sum").tolist()
+        total, count = accelerator.reduce(
+            torch.tensor([total, float(count)], device=accelerator.device), "sum"
+        ).tolist()
         state["epoch"] += 1
         if not (math.isfinite(total) and math.isfinite(val_rel)):
-            raise SdkitError(f"training the {config.kind} adapter diverged in epoch {state['epoch']} (loss "
-                             f"{total / max(count, 1):.3g}, validation {val_rel:.3g}): lower --lr"
-                             f"{' or --cosine-weight' if config.cosine_weight else ''}")  # fmt: skip
-        state["history"].append({"epoch": state["epoch"], "train_loss": total / max(count, 1), "val_rel_mse": val_rel,
-                                 "seconds": time.perf_counter() - epoch_start})  # fmt: skip
+            raise SdkitError(
+                f"training the {config.kind} adapter diverged in epoch {state['epoch']} (loss "
+                f"{total / max(count, 1):.3g}, validation {val_rel:.3g}): lower --lr"
+                f"{' or --cosine-weight' if config.cosine_weight else ''}"
+            )
+        state["history"].append(
+            {
+                "epoch": state["epoch"],
+                "train_loss": total / max(count, 1),
+                "val_rel_mse": val_rel,
+                "seconds": time.perf_counter() - epoch_start,
+            }
+        )
         if val_rel < state["best"] - 1e-7:
             state["best"], state["bad_epochs"] = val_rel, 0
             best_weights = copy.deepcopy(raw.state_dict())
@@ -230,8 +264,13 @@ def _save_checkpoint(path, model, optimizer, best_weights, state, config, finger
     for index, param_state in opt["state"].items():
         for name, value in param_state.items():
             tensors[f"optimizer.{index}.{name}"] = torch.as_tensor(value).detach().cpu().contiguous()
-    metadata = {"state": json.dumps(state), "param_groups": json.dumps(opt["param_groups"]),
-                "config": json.dumps(asdict(config)), "fingerprint": fingerprint, "data_key": data_key}  # fmt: skip
+    metadata = {
+        "state": json.dumps(state),
+        "param_groups": json.dumps(opt["param_groups"]),
+        "config": json.dumps(asdict(config)),
+        "fingerprint": fingerprint,
+        "data_key": data_key,
+    }
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata=metadata)
 
@@ -248,8 +287,10 @@ def _load_checkpoint(path, model, optimizer, config: TrainConfig, fingerprint: s
         raise SdkitError(f"{path}: cannot resume from this checkpoint ({e}); delete it to start over") from None
     _refuse_other_settings(path, saved, config)
     if metadata.get("fingerprint") != fingerprint:
-        raise SdkitError(f"{path}: this checkpoint was trained on other data (other encoders, layers, prompts or "
-                         "split); delete it or choose another checkpoint folder")  # fmt: skip
+        raise SdkitError(
+            f"{path}: this checkpoint was trained on other data (other encoders, layers, prompts or "
+            "split); delete it or choose another checkpoint folder"
+        )
     try:
         model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
     except RuntimeError:
@@ -267,8 +308,10 @@ def _load_checkpoint(path, model, optimizer, config: TrainConfig, fingerprint: s
 def _refuse_other_settings(path, saved: dict, config: TrainConfig) -> None:
     if saved != asdict(config):
         changed = sorted(k for k in saved if saved[k] != asdict(config).get(k))
-        raise SdkitError(f"{path}: this checkpoint was trained with other settings ({', '.join(changed)}); "
-                         "delete it or choose another checkpoint folder")  # fmt: skip
+        raise SdkitError(
+            f"{path}: this checkpoint was trained with other settings ({', '.join(changed)}); "
+            "delete it or choose another checkpoint folder"
+        )
 
 
 def check_checkpoint(path: str | os.PathLike, config: TrainConfig, data_key: str) -> None:
@@ -286,5 +329,7 @@ def check_checkpoint(path: str | os.PathLike, config: TrainConfig, data_key: str
         raise SdkitError(f"{path}: cannot resume from this checkpoint ({e}); delete it to start over") from None
     _refuse_other_settings(path, saved, config)
     if metadata.get("data_key") != data_key:
-        raise SdkitError(f"{path}: this checkpoint was trained on other data (other encoders, layers, prompts or "
-                         "split); delete it or choose another checkpoint folder")  # fmt: skip
+        raise SdkitError(
+            f"{path}: this checkpoint was trained on other data (other encoders, layers, prompts or "
+            "split); delete it or choose another checkpoint folder"
+        )

@@ -30,8 +30,11 @@ def build_parser():
 
     from .common import Parser
 
-    parser = Parser(prog="sdkit", description="Look inside the cross-attention of Stable "
-                                    "Diffusion 1.x U-Nets (and SD 2.x / SDXL). Offline; see README.md.")  # fmt: skip
+    parser = Parser(
+        prog="sdkit",
+        description="Look inside the cross-attention of Stable "
+        "Diffusion 1.x U-Nets (and SD 2.x / SDXL). Offline; see README.md and docs/.",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     for name in COMMANDS:
         importlib.import_module(f".{name}", __name__).register(sub)
@@ -50,7 +53,9 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
     # A prompt's emoji has no glyph in matplotlib's font: the picture shows a box, which says as much
     warnings.filterwarnings("ignore", message=r"Glyph \d+ .* missing from font")
-    warnings.filterwarnings("ignore", module=r"(diffusers|transformers|torch|accelerate|huggingface_hub|matplotlib)(\.|$)")
+    warnings.filterwarnings(
+        "ignore", module=r"(diffusers|transformers|torch|accelerate|huggingface_hub|matplotlib)(\.|$)"
+    )
     for name in ("diffusers", "transformers", "accelerate", "huggingface_hub", "torch", "matplotlib"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
 

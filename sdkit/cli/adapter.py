@@ -2,16 +2,34 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
 from ..common import ADAPTERS_FOLDER, SdkitError
-from .common import (ADAPTER_KINDS, CACHE_DEFAULT, CACHE_HELP, LAYERS, Parser, adapter_kinds, add_json,
-                     add_subcommand, at_most, cache_folder, check_input, check_outputs, minisd_spec,
-                     nonnegative_float, nonnegative_int, phase, positive_float, positive_int, progress_bar,
-                     refuse_options, seed, show_result)  # fmt: skip
-
+from .common import (
+    ADAPTER_KINDS,
+    CACHE_DEFAULT,
+    CACHE_HELP,
+    LAYERS,
+    Parser,
+    adapter_kinds,
+    add_json,
+    add_subcommand,
+    at_most,
+    cache_folder,
+    check_input,
+    check_outputs,
+    minisd_spec,
+    nonnegative_float,
+    nonnegative_int,
+    phase,
+    positive_float,
+    positive_int,
+    progress_bar,
+    refuse_options,
+    seed,
+    show_result,
+)
 
 MAX_PROMPTS = 200_000  # drawn prompts: past this, only repeats (which are merged) and hours of encoding
 
@@ -24,16 +42,25 @@ def cmd_adapter(args) -> None:
         print(explanation(args.explain_encoders_dir))
         return
     if "explain_encoders_dir" in args.given:  # the group's, which no subcommand reads
-        raise SdkitError(f"--encoders-dir before '{args.adapter_command}' only says where `sdkit adapter` looks when it "
-                         f"explains itself; put it after the subcommand")  # fmt: skip
+        raise SdkitError(
+            f"--encoders-dir before '{args.adapter_command}' only says where `sdkit adapter` looks when it "
+            f"explains itself; put it after the subcommand"
+        )
     args.adapter_func(args)
 
 
 def _train_config(args):
     from ..adapter import TrainConfig
 
-    return TrainConfig(max_epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, patience=args.patience,
-                       cosine_weight=args.cosine_weight, hidden_dim=args.hidden_dim, seed=args.seed)  # fmt: skip
+    return TrainConfig(
+        max_epochs=args.epochs,
+        lr=args.lr,
+        batch_size=args.batch_size,
+        patience=args.patience,
+        cosine_weight=args.cosine_weight,
+        hidden_dim=args.hidden_dim,
+        seed=args.seed,
+    )
 
 
 def _run_comparison(args, new_dir, old_dir, prompts, note: str | None = None) -> None:
@@ -62,8 +89,20 @@ def _run_comparison(args, new_dir, old_dir, prompts, note: str | None = None) ->
         unet_name = f"{args.unet} preset, RANDOM weights: shows the check, not a trained SD U-Net"
     else:
         unet_name = args.unet
-    report = compare_adapters(new, old, prompts, kinds, _train_config(args), unet, unet_name, args.cache,
-                              args.out, args.checkpoints, seed=args.seed, progress=not args.json)  # fmt: skip
+    report = compare_adapters(
+        new,
+        old,
+        prompts,
+        kinds,
+        _train_config(args),
+        unet,
+        unet_name,
+        args.cache,
+        args.out,
+        args.checkpoints,
+        seed=args.seed,
+        progress=not args.json,
+    )
     table = format_report(report)
     if note:
         table = f"Encoders: {note}\n\n{table}"
@@ -92,7 +131,7 @@ def cmd_adapter_demo(args) -> None:
     _check_training_outputs(args)
     from ..adapter import available_pair, generate_prompts
 
-    if args.full:  # the benchmark's run: more prompts and epochs, the numbers the README reports
+    if args.full:  # the benchmark's run: more prompts and epochs, the numbers docs/commands/adapter.md reports
         args.prompts, args.epochs = max(args.prompts, 2400), max(args.epochs, 24)
         print("the full comparison takes about 15 minutes on 2 CPU cores", file=sys.stderr, flush=True)
     new_dir, old_dir, note = available_pair(args.encoders_dir, args.cache)
@@ -142,45 +181,70 @@ def cmd_adapter_encode(args) -> None:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("adapter", help="swap the text encoder: train and score a new -> old adapter",
-                       description="Swap the text encoder of a frozen SD 1.x U-Net with a trained adapter. "
-                                   "Without a subcommand, explains itself.")  # fmt: skip
+    p = sub.add_parser(
+        "adapter",
+        help="swap the text encoder: train and score a new -> old adapter",
+        description="Swap the text encoder of a frozen SD 1.x U-Net with a trained adapter. "
+        "Without a subcommand, explains itself.",
+    )
     p.set_defaults(func=cmd_adapter)
-    p.add_argument("--encoders-dir", dest="explain_encoders_dir", default="weights/encoders",
-                   help="without a subcommand: where the real encoders are looked for")  # fmt: skip
+    p.add_argument(
+        "--encoders-dir",
+        dest="explain_encoders_dir",
+        default="weights/encoders",
+        help="without a subcommand: where the real encoders are looked for",
+    )
     adapter_sub = p.add_subparsers(dest="adapter_command", metavar="SUBCOMMAND", parser_class=Parser)
 
     def training_options(q, default_out):
-        q.add_argument("--kinds", type=adapter_kinds, default="linear,mlp",
-                       help=f"adapters to train, comma-separated from {', '.join(ADAPTER_KINDS)} (lstsq always fits)")
-        q.add_argument("--unet", default="tiny", help="frozen U-Net for the noise-prediction check (preset, folder, "
-                                                      "file, or none)")  # fmt: skip
+        q.add_argument(
+            "--kinds",
+            type=adapter_kinds,
+            default="linear,mlp",
+            help=f"adapters to train, comma-separated from {', '.join(ADAPTER_KINDS)} (lstsq always fits)",
+        )
+        q.add_argument(
+            "--unet", default="tiny", help="frozen U-Net for the noise-prediction check (preset, folder, file, or none)"
+        )
         q.add_argument("--new-layer", choices=LAYERS, default="last", help="layer read from the new encoder")
-        q.add_argument("--old-layer", choices=LAYERS, default="last", help="layer the U-Net was trained on (SD 1.x: last)")
+        q.add_argument(
+            "--old-layer", choices=LAYERS, default="last", help="layer the U-Net was trained on (SD 1.x: last)"
+        )
         q.add_argument("--epochs", type=positive_int, default=24, help="most training epochs")
         q.add_argument("--patience", type=positive_int, default=8, help="early stopping: epochs without improvement")
         q.add_argument("--lr", type=positive_float, default=2e-3, help="peak learning rate")
         q.add_argument("--batch-size", type=positive_int, default=256, help="tokens per batch")
         q.add_argument("--hidden-dim", type=positive_int, help="mlp hidden width (default: the old encoder's width)")
-        q.add_argument("--cosine-weight", type=nonnegative_float, default=0.0,
-                       help="add w * (1 - cosine) to the per-token MSE")  # fmt: skip
+        q.add_argument(
+            "--cosine-weight", type=nonnegative_float, default=0.0, help="add w * (1 - cosine) to the per-token MSE"
+        )
         q.add_argument("--seed", type=seed, default=0, help="seed of the split, initialisation and data order")
         q.add_argument("--cache", type=cache_folder, default=CACHE_DEFAULT, help=CACHE_HELP)
         q.add_argument("--checkpoints", help="write (and resume from) training checkpoints here")
         q.add_argument("--out", default=default_out, help="save the adapters and report.json here")
         q.add_argument("--allow-pickle", action="store_true", help="read pickle weights (with weights_only=True)")
-        q.add_argument("--judge", type=nonnegative_int, default=64,
-                       help="with a mini SD as --unet: prompts per set to generate and judge through each adapter "
-                            "(0: skip)")  # fmt: skip
+        q.add_argument(
+            "--judge",
+            type=nonnegative_int,
+            default=64,
+            help="with a mini SD as --unet: prompts per set to generate and judge through each adapter (0: skip)",
+        )
         add_json(q)
 
     q = add_subcommand(adapter_sub, "demo", "the whole comparison on the best encoders available here (minutes)")
-    q.add_argument("--prompts", type=at_most(MAX_PROMPTS, "generated prompts repeat long before that"), default=300,
-                   help="generated prompts")
+    q.add_argument(
+        "--prompts",
+        type=at_most(MAX_PROMPTS, "generated prompts repeat long before that"),
+        default=300,
+        help="generated prompts",
+    )
     q.add_argument("--full", action="store_true", help="the benchmark-sized run: 2,400 prompts, 24 epochs")
-    q.add_argument("--encoders-dir", default="weights/encoders",
-                   help="where the real pair is (scripts/get_real_encoders.py puts it there); without it, tiny random "
-                        "encoders are built into the cache")  # fmt: skip
+    q.add_argument(
+        "--encoders-dir",
+        default="weights/encoders",
+        help="where the real pair is (scripts/get_real_encoders.py puts it there); without it, tiny random "
+        "encoders are built into the cache",
+    )
     training_options(q, "weights/adapters/demo")
     q.set_defaults(adapter_func=cmd_adapter_demo)
 
@@ -188,11 +252,18 @@ def register(sub) -> None:
     q.add_argument("--new", required=True, metavar="DIR", help="the new text encoder (transformers folder)")
     q.add_argument("--old", required=True, metavar="DIR", help="the encoder the U-Net was trained with")
     q.add_argument("--corpus", metavar="FILE", help="prompts, one per line (default: generated prompts)")
-    q.add_argument("--generate", type=at_most(MAX_PROMPTS, "generated prompts repeat long before that"), default=2000,
-                   help="how many prompts to generate without --corpus")
-    q.add_argument("--captions", type=at_most(MAX_PROMPTS, "the mini SD has a few thousand distinct captions"),
-                   metavar="N",
-                   help="train on N of the mini SD's training captions instead of generic prompts")  # fmt: skip
+    q.add_argument(
+        "--generate",
+        type=at_most(MAX_PROMPTS, "generated prompts repeat long before that"),
+        default=2000,
+        help="how many prompts to generate without --corpus",
+    )
+    q.add_argument(
+        "--captions",
+        type=at_most(MAX_PROMPTS, "the mini SD has a few thousand distinct captions"),
+        metavar="N",
+        help="train on N of the mini SD's training captions instead of generic prompts",
+    )
     training_options(q, "weights/adapters/latest")
     q.set_defaults(adapter_func=cmd_adapter_train)
 
@@ -205,4 +276,3 @@ def register(sub) -> None:
     q.add_argument("--out", required=True, help="a .safetensors file")
     q.add_argument("--allow-pickle", action="store_true", help="read pickle weights (with weights_only=True)")
     q.set_defaults(adapter_func=cmd_adapter_encode)
-

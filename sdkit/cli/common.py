@@ -21,8 +21,10 @@ STEERING_OBJECTIVES = ("excite", "bind", "layout")  # steering.OBJECTIVES
 
 
 CACHE_DEFAULT = "default"
-CACHE_HELP = ("where encoded text states (and the demo's tiny encoders) are cached; 'default' is $SDKIT_CACHE, "
-              "else the platform's cache folder, ~/.cache/sdkit on Linux")  # fmt: skip
+CACHE_HELP = (
+    "where encoded text states (and the demo's tiny encoders) are cached; 'default' is $SDKIT_CACHE, "
+    "else the platform's cache folder, ~/.cache/sdkit on Linux"
+)
 
 
 def cache_folder(text: str):
@@ -34,18 +36,22 @@ def cache_folder(text: str):
     return default_cache() if text == CACHE_DEFAULT else Path(text)
 
 
-def add_subcommand(sub, name: str, help: str) -> "Parser":
+def add_subcommand(sub, name: str, help: str) -> Parser:
     """A subcommand whose --help opens with the line its parent's list shows."""
     return sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".")
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows each option's default, except where there is none to show."""
+    """Shows each option's default once, as a person would write it: not where there is none, not
+    where the help already says it, and a list as its items."""
 
     def _get_help_string(self, action):
+        text = action.help or ""
         # Identity, not ==: a default of 0 or 0.0 equals False and is still worth showing.
-        if any(action.default is none for none in (None, False, argparse.SUPPRESS)) or "%(default)" in (action.help or ""):
-            return action.help
+        if any(action.default is none for none in (None, False, argparse.SUPPRESS)) or "default" in text:
+            return text
+        if isinstance(action.default, (list, tuple)):
+            return f"{text} (default: {','.join(str(v) for v in action.default)})"
         return super()._get_help_string(action)
 
 
@@ -123,8 +129,9 @@ def adapter_kinds(text: str) -> list[str]:
     kinds = [k for k in text.split(",") if k]
     unknown = [k for k in kinds if k not in ADAPTER_KINDS]
     if unknown or not kinds:
-        raise argparse.ArgumentTypeError(f"adapter kinds are a comma-separated list of {', '.join(ADAPTER_KINDS)}, "
-                                         f"not {text!r}")  # fmt: skip
+        raise argparse.ArgumentTypeError(
+            f"adapter kinds are a comma-separated list of {', '.join(ADAPTER_KINDS)}, not {text!r}"
+        )
     return kinds
 
 
@@ -132,8 +139,9 @@ def steering_objectives(text: str) -> tuple[str, ...]:
     objectives = tuple(dict.fromkeys(o for o in text.split(",") if o))
     unknown = [o for o in objectives if o not in STEERING_OBJECTIVES]
     if unknown or not objectives:
-        raise argparse.ArgumentTypeError(f"steering objectives are a comma-separated list of "
-                                         f"{', '.join(STEERING_OBJECTIVES)}, not {text!r}")  # fmt: skip
+        raise argparse.ArgumentTypeError(
+            f"steering objectives are a comma-separated list of {', '.join(STEERING_OBJECTIVES)}, not {text!r}"
+        )
     return objectives
 
 
@@ -306,16 +314,29 @@ def progress_bar(args, **kwargs):
 
     phase(kwargs.get("desc", "working"), ticking=False)
     if kwargs.get("total") and not kwargs.get("unit_scale"):
-        kwargs.setdefault("bar_format", "{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} {unit} "
-                                        "[{elapsed}<{remaining}{postfix}]")  # fmt: skip
+        kwargs.setdefault(
+            "bar_format",
+            "{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} {unit} [{elapsed}<{remaining}{postfix}]",
+        )
     phase.bar = tqdm(leave=False, disable=None, **kwargs)
     return phase.bar
 
 
 # Every flag through which a command reads a file or folder (defaults included): no output of the
 # command may land on what it reads.
-INPUT_FLAGS = ("model", "unet", "text_encoder", "tokenizer", "encoders_dir", "pooled_model", "new", "old", "adapter",
-               "corpus", "minisd")  # fmt: skip
+INPUT_FLAGS = (
+    "model",
+    "unet",
+    "text_encoder",
+    "tokenizer",
+    "encoders_dir",
+    "pooled_model",
+    "new",
+    "old",
+    "adapter",
+    "corpus",
+    "minisd",
+)
 
 
 def check_outputs(args, files=(), pictures=(), folders=(), owned: dict | None = None) -> None:
@@ -342,8 +363,10 @@ def check_outputs(args, files=(), pictures=(), folders=(), owned: dict | None = 
     for flag in pictures:
         suffix = Path(getattr(args, flag, None) or "x.png").suffix.lower()
         if suffix and suffix not in FIGURE_FORMATS:
-            raise SdkitError(f"{getattr(args, flag)}: --{flag.replace('_', '-')} pictures are written as "
-                             f"{', '.join(FIGURE_FORMATS)} (by the name's suffix)")  # fmt: skip
+            raise SdkitError(
+                f"{getattr(args, flag)}: --{flag.replace('_', '-')} pictures are written as "
+                f"{', '.join(FIGURE_FORMATS)} (by the name's suffix)"
+            )
     for flag in (*files, *pictures):
         if getattr(args, flag, None):
             check_output(getattr(args, flag), f"--{flag.replace('_', '-')} file", inputs=inputs)
@@ -365,8 +388,11 @@ def _check_apart(args, file_flags, folder_flags) -> None:
 
     from ..common import is_special
 
-    given = [(flag, Path(os.path.abspath(getattr(args, flag)))) for flag in (*file_flags, *folder_flags)
-             if getattr(args, flag, None) and not is_special(Path(getattr(args, flag)))]  # fmt: skip
+    given = [
+        (flag, Path(os.path.abspath(getattr(args, flag))))
+        for flag in (*file_flags, *folder_flags)
+        if getattr(args, flag, None) and not is_special(Path(getattr(args, flag)))
+    ]
 
     def name(flag: str) -> str:
         return f"--{flag.replace('_', '-')}"
@@ -378,8 +404,10 @@ def _check_apart(args, file_flags, folder_flags) -> None:
         for other, folder in given:
             if other != flag and other not in file_flags and folder in path.parents:
                 what = "file" if flag in file_flags else "folder"
-                raise SdkitError(f"{path}: the {name(flag)} {what} would be inside the {name(other)} folder this "
-                                 "command writes; choose a path outside it")  # fmt: skip
+                raise SdkitError(
+                    f"{path}: the {name(flag)} {what} would be inside the {name(other)} folder this "
+                    "command writes; choose a path outside it"
+                )
 
 
 def check_input(path: str, what: str) -> None:

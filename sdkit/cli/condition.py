@@ -6,9 +6,23 @@ from __future__ import annotations
 import argparse
 
 from ..common import MAPS_FOLDER, SdkitError
-from .common import (LAYERS, PRESET_NAMES, add_json, check_input, check_outputs, grid_sides,
-                     latent_size, minisd_spec, nonnegative_float, nonnegative_int, phase, positive_int,
-                     progress_bar, refuse_options, seed, show_result)  # fmt: skip
+from .common import (
+    LAYERS,
+    PRESET_NAMES,
+    add_json,
+    check_input,
+    check_outputs,
+    grid_sides,
+    latent_size,
+    minisd_spec,
+    nonnegative_float,
+    phase,
+    positive_int,
+    progress_bar,
+    refuse_options,
+    seed,
+    show_result,
+)
 
 
 def _timestep(text: str) -> int:
@@ -35,24 +49,33 @@ def _minisd_findings(args) -> None:
     from ..minisd.pipeline import SPEC_FILE, MiniSDPipeline
 
     if minisd_spec(args.unet) is None:
-        raise SdkitError(f"{args.unet}: --masks and --generate need a mini SD folder (with {SPEC_FILE}): the answer "
-                         "key is its generator's masks and judge (try --unet weights/minisd)")  # fmt: skip
-    pipe = MiniSDPipeline.from_pretrained(args.unet, args.text_encoder, args.encoders_dir, allow_pickle=args.allow_pickle)
+        raise SdkitError(
+            f"{args.unet}: --masks and --generate need a mini SD folder (with {SPEC_FILE}): the answer "
+            "key is its generator's masks and judge (try --unet weights/minisd)"
+        )
+    pipe = MiniSDPipeline.from_pretrained(
+        args.unet, args.text_encoder, args.encoders_dir, allow_pickle=args.allow_pickle
+    )
     if args.masks:
         from ..localization import draw_examples, format_localization, generated_set, generator_set, localize
 
         reports, tables, pictures = [], [], []
         for source in ("generator", "generated"):
-            with progress_bar(args, total=args.count * len(args.timesteps), desc=f"maps on {source} images", unit="image") as bar:
+            with progress_bar(
+                args, total=args.count * len(args.timesteps), desc=f"maps on {source} images", unit="image"
+            ) as bar:
                 if source == "generator":
                     images, scenes, masks = generator_set(args.count, pipe.spec.image_size)
                 else:
                     images, scenes, masks = generated_set(pipe, args.count, args.guidance, args.steps)
-                report = localize(pipe, images, scenes, masks, args.timesteps, model_name=args.unet, source=source,
-                                  progress=bar)  # fmt: skip
+                report = localize(
+                    pipe, images, scenes, masks, args.timesteps, model_name=args.unet, source=source, progress=bar
+                )
             if source == "generated":
                 found = sum(m is not None for ms in masks for m in ms)
-                report.note = f"judge found {found} of {sum(len(ms) for ms in masks)} named objects in the generated images"
+                report.note = (
+                    f"judge found {found} of {sum(len(ms) for ms in masks)} named objects in the generated images"
+                )
             reports.append(report)
             tables.append(format_localization(report))
             if args.plot:  # one picture per image source: FILE-generator.png, FILE-generated.png
@@ -67,12 +90,21 @@ def _minisd_findings(args) -> None:
 
     pooled = None
     if args.pooled_model:
-        pooled = MiniSDPipeline.from_pretrained(args.pooled_model, args.text_encoder, args.encoders_dir,
-                                                allow_pickle=args.allow_pickle)  # fmt: skip
+        pooled = MiniSDPipeline.from_pretrained(
+            args.pooled_model, args.text_encoder, args.encoders_dir, allow_pickle=args.allow_pickle
+        )
     runs = len(SETS) * args.count * (len(CONDITIONS) + (pooled is not None))
     with progress_bar(args, total=runs, desc="generating", unit="image") as bar:
-        result = compare_token_conditions(pipe, pooled, args.count, args.guidance, args.steps, model_name=args.unet,
-                                          pooled_name=args.pooled_model, progress=bar)  # fmt: skip
+        result = compare_token_conditions(
+            pipe,
+            pooled,
+            args.count,
+            args.guidance,
+            args.steps,
+            model_name=args.unet,
+            pooled_name=args.pooled_model,
+            progress=bar,
+        )
     table = format_token_comparison(result)
     if args.plot:
         draw_comparison(result, args.plot)
@@ -81,8 +113,18 @@ def _minisd_findings(args) -> None:
 
 
 # What each mode reads; an option given for another mode is refused, never ignored.
-COMPARISON_ONLY = ("prompt", "tokenizer", "layer", "latent_size", "timestep", "seed", "maps", "shared_scale",
-                   "map_sides", "device")  # fmt: skip
+COMPARISON_ONLY = (
+    "prompt",
+    "tokenizer",
+    "layer",
+    "latent_size",
+    "timestep",
+    "seed",
+    "maps",
+    "shared_scale",
+    "map_sides",
+    "device",
+)
 MINISD_ONLY = ("count", "guidance", "steps", "plot", "timesteps", "pooled_model")
 
 
@@ -105,8 +147,15 @@ def cmd_condition(args) -> None:
         return _minisd_findings(args)
     if args.text_encoder:
         check_input(args.text_encoder, "--text-encoder")
-    from ..conditioning import (check_width, compare_conditionings, format_comparison, preflight,
-                               prompt_conditionings, synthetic_conditionings, write_maps)  # fmt: skip
+    from ..conditioning import (
+        check_width,
+        compare_conditionings,
+        format_comparison,
+        preflight,
+        prompt_conditionings,
+        synthetic_conditionings,
+        write_maps,
+    )
     from ..encoders import load_text_encoder
     from ..loading import load_unet
     from ..presets import PRESETS
@@ -126,8 +175,11 @@ def cmd_condition(args) -> None:
         add_place_embeddings(unet, spec.image_size)
     preflight(unet, args.latent_size, device, maps=bool(args.maps))
     unet = unet.to(device)
-    note = "preset with RANDOM weights: the numbers show the mechanism, not what a trained model reads" \
-        if args.unet in PRESETS else ""  # fmt: skip
+    note = (
+        "preset with RANDOM weights: the numbers show the mechanism, not what a trained model reads"
+        if args.unet in PRESETS
+        else ""
+    )
     if spec is not None:  # a mini SD reads its own encoder, at its own context length
         from ..minisd.pipeline import find_text_encoder
 
@@ -135,16 +187,24 @@ def cmd_condition(args) -> None:
         encoder = find_text_encoder(spec, args.text_encoder, args.encoders_dir, args.allow_pickle)
         conditioning = prompt_conditionings(encoder, args.prompt)
     elif args.text_encoder:
-        encoder = load_text_encoder(args.text_encoder, args.tokenizer, layer=args.layer,
-                                    allow_pickle=args.allow_pickle)  # fmt: skip
+        encoder = load_text_encoder(args.text_encoder, args.tokenizer, layer=args.layer, allow_pickle=args.allow_pickle)
         conditioning = prompt_conditionings(encoder, args.prompt)
     else:
         conditioning = synthetic_conditionings(unet.config.cross_attention_dim, seed=args.seed)
     check_width(unet, conditioning)
     with progress_bar(args, total=len(conditioning.cases), desc="forward passes", unit="case") as bar:
-        result = compare_conditionings(unet, conditioning, args.latent_size, args.timestep, args.seed,
-                                       maps=bool(args.maps), map_sides=args.map_sides, unet_name=args.unet, note=note,
-                                       progress=bar)  # fmt: skip
+        result = compare_conditionings(
+            unet,
+            conditioning,
+            args.latent_size,
+            args.timestep,
+            args.seed,
+            maps=bool(args.maps),
+            map_sides=args.map_sides,
+            unet_name=args.unet,
+            note=note,
+            progress=bar,
+        )
     table = format_comparison(result)
     if args.maps:
         paths = write_maps(result, conditioning, args.maps, shared_scale=args.shared_scale)
@@ -153,37 +213,66 @@ def cmd_condition(args) -> None:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("condition", help="single- vs multi-token conditioning, seen in the cross-attention",
-                       description="Run one U-Net, latent and timestep under single-token, repeated-token and "
-                                   "multi-token conditioning and trace every cross-attention layer.")  # fmt: skip
+    p = sub.add_parser(
+        "condition",
+        help="single- vs multi-token conditioning, seen in the cross-attention",
+        description="Run one U-Net, latent and timestep under single-token, repeated-token and "
+        "multi-token conditioning and trace every cross-attention layer.",
+    )
     p.add_argument("--unet", default="tiny", help="preset (random weights), diffusers folder or checkpoint")
-    p.add_argument("--prompt", default="a photo of a red cat sitting on a blue chair",
-                   help="the prompt to encode (for a mini SD, try 'a red circle to the left of a blue square')")  # fmt: skip
+    p.add_argument(
+        "--prompt",
+        default="a photo of a red cat sitting on a blue chair",
+        help="the prompt to encode (for a mini SD, try 'a red circle to the left of a blue square')",
+    )
     p.add_argument("--text-encoder", metavar="DIR", help="local transformers text encoder (or SD pipeline folder)")
     p.add_argument("--tokenizer", metavar="DIR", help="its tokenizer, when not beside it")
-    p.add_argument("--layer", choices=LAYERS, default="last",
-                   help="text-encoder layer the U-Net reads: last (SD 1.x) or penultimate (SD 2.x)")
-    p.add_argument("--latent-size", type=latent_size, help="latent grid, e.g. 64 or 64x96 (default: the U-Net's sample size)")
+    p.add_argument(
+        "--layer",
+        choices=LAYERS,
+        default="last",
+        help="text-encoder layer the U-Net reads: last (SD 1.x) or penultimate (SD 2.x)",
+    )
+    p.add_argument(
+        "--latent-size", type=latent_size, help="latent grid, e.g. 64 or 64x96 (default: the U-Net's sample size)"
+    )
     p.add_argument("--timestep", type=_timestep, default=500, help="diffusion timestep of the forward pass (0 to 999)")
     p.add_argument("--seed", type=seed, default=0, help="seed of the latent (and of synthetic tokens)")
     p.add_argument("--maps", metavar="DIR", help="write a PNG heatmap per word and an overview grid here")
     p.add_argument("--shared-scale", action="store_true", help="one colour scale for all maps")
-    p.add_argument("--map-sides", type=grid_sides, help="only layers with these grid sides in the maps, e.g. 16,32 (default: every layer)")
+    p.add_argument(
+        "--map-sides",
+        type=grid_sides,
+        help="only layers with these grid sides in the maps, e.g. 16,32 (default: every layer)",
+    )
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
     p.add_argument("--allow-pickle", action="store_true", help="read pickle weights (with weights_only=True)")
-    p.add_argument("--masks", action="store_true",
-                   help="mini SD: score each colour and shape word's attention map against its object's mask")  # fmt: skip
-    p.add_argument("--generate", action="store_true",
-                   help="mini SD: generate and judge images under one-token and many-token conditioning")  # fmt: skip
+    p.add_argument(
+        "--masks",
+        action="store_true",
+        help="mini SD: score each colour and shape word's attention map against its object's mask",
+    )
+    p.add_argument(
+        "--generate",
+        action="store_true",
+        help="mini SD: generate and judge images under one-token and many-token conditioning",
+    )
     p.add_argument("--count", type=positive_int, default=64, help="--masks/--generate: images per set")
-    p.add_argument("--timesteps", type=_timesteps, default=(100, 300, 500, 700, 900),
-                   help="--masks: timesteps to noise the images to (comma-separated)")  # fmt: skip
+    p.add_argument(
+        "--timesteps",
+        type=_timesteps,
+        default=(100, 300, 500, 700, 900),
+        help="--masks: timesteps to noise the images to (comma-separated)",
+    )
     p.add_argument("--pooled-model", metavar="DIR", help="--generate: a mini SD trained on the pooled state only")
     p.add_argument("--guidance", type=nonnegative_float, default=4.0, help="--masks/--generate: guidance scale")
     p.add_argument("--steps", type=positive_int, default=25, help="--masks/--generate: sampling steps")
     p.add_argument("--encoders-dir", default="weights/encoders", help="where the mini SD's text encoder is")
-    p.add_argument("--plot", metavar="FILE.png", help="--masks/--generate: the picture (--masks writes one per image "
-                                                     "source: FILE-generator.png and FILE-generated.png)")
+    p.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="--masks/--generate: the picture (--masks writes one per image "
+        "source: FILE-generator.png and FILE-generated.png)",
+    )
     add_json(p)
     p.set_defaults(func=cmd_condition)
-

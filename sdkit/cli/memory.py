@@ -24,14 +24,16 @@ def cmd_memory(args) -> None:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("memory", help="attention as key-value memory: capacity of linear, ReLU and softmax stores",
-                       description="Measure how many random (and real) key-value memories a linear, ReLU or "
-                                   "softmax store holds before interference equals the signal, beside the analytic "
-                                   "capacities; tie the result to SD 1.5's attention levels.")  # fmt: skip
+    p = sub.add_parser(
+        "memory",
+        help="attention as key-value memory: capacity of linear, ReLU and softmax stores",
+        description="Measure how many random (and real) key-value memories a linear, ReLU or "
+        "softmax store holds before interference equals the signal, beside the analytic "
+        "capacities; tie the result to SD 1.5's attention levels.",
+    )
     p.add_argument("--quick", action="store_true", help="small dimensions and memory counts (seconds; for tests)")
     p.add_argument("--plot", metavar="FILE.png", help="log-log SIR and accuracy against memories")
     p.add_argument("--encoders-dir", default="weights/encoders", help="where the real encoder for real keys is")
     p.add_argument("--minisd", default="weights/minisd", help="the mini SD whose cross-attention keys to test")
     add_json(p)
     p.set_defaults(func=cmd_memory)
-

@@ -8,9 +8,27 @@ from dataclasses import asdict
 
 from ..common import MODEL_FOLDER, SdkitError, check_output_folder
 from ..minisd import LR_SCHEDULES, PRECISIONS, SHIPPED_TRAINING_TIME
-from .common import (CACHE_DEFAULT, CACHE_HELP, LAYERS, Parser, add_json, add_subcommand, cache_folder, check_input, check_outputs, nonnegative_float, nonnegative_int,
-                     phase, positive_float, positive_int, progress_bar, refuse_options, seed, show_result,
-                     steering_objectives)  # fmt: skip
+from .common import (
+    CACHE_DEFAULT,
+    CACHE_HELP,
+    LAYERS,
+    Parser,
+    add_json,
+    add_subcommand,
+    cache_folder,
+    check_input,
+    check_outputs,
+    nonnegative_float,
+    nonnegative_int,
+    phase,
+    positive_float,
+    positive_int,
+    progress_bar,
+    refuse_options,
+    seed,
+    show_result,
+    steering_objectives,
+)
 
 STEERING_OPTIONS = ("guide_scale", "guide_steps", "guide_resolution", "guide_layers")
 
@@ -25,8 +43,10 @@ def cmd_minisd(args) -> None:
     # Given before the subcommand, they would be the group's, which the subcommand does not read
     for dest, option in (("explain_model", "--model"), ("explain_encoders_dir", "--encoders-dir")):
         if dest in args.given:
-            raise SdkitError(f"{option} before '{args.minisd_command}' only says which model `sdkit minisd` explains; "
-                             f"put it after the subcommand: sdkit minisd {args.minisd_command} {option} ...")  # fmt: skip
+            raise SdkitError(
+                f"{option} before '{args.minisd_command}' only says which model `sdkit minisd` explains; "
+                f"put it after the subcommand: sdkit minisd {args.minisd_command} {option} ..."
+            )
     args.minisd_func(args)
 
 
@@ -34,16 +54,28 @@ def train_settings(args):
     """TrainSettings from `sdkit minisd train`'s options (their defaults are TrainSettings' own: a test)."""
     from ..minisd.train import TrainSettings
 
-    return TrainSettings(steps=args.steps, batch_size=args.batch_size, lr=args.lr, lr_schedule=args.lr_schedule,
-                         seed=args.seed,
-                         image_size=args.image_size, conditioning=args.conditioning,
-                         empty_fraction=args.empty_fraction, pair_fraction=args.pair_fraction,
-                         grounding_weight=args.grounding_weight, relation_weight=args.relation_weight,
-                         attention_loss_from=args.attention_loss_from, zero_terminal_snr=args.zero_terminal_snr,
-                         swap_fraction=args.swap_fraction, swap_from=args.swap_from,
-                         place_embeddings=args.place_embeddings, timestep_bias=args.timestep_bias,
-                         timestep_bias_from=args.timestep_bias_from,
-                         precision=args.precision, compile=not args.no_compile)  # fmt: skip
+    return TrainSettings(
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        lr_schedule=args.lr_schedule,
+        seed=args.seed,
+        image_size=args.image_size,
+        conditioning=args.conditioning,
+        empty_fraction=args.empty_fraction,
+        pair_fraction=args.pair_fraction,
+        grounding_weight=args.grounding_weight,
+        relation_weight=args.relation_weight,
+        attention_loss_from=args.attention_loss_from,
+        zero_terminal_snr=args.zero_terminal_snr,
+        swap_fraction=args.swap_fraction,
+        swap_from=args.swap_from,
+        place_embeddings=args.place_embeddings,
+        timestep_bias=args.timestep_bias,
+        timestep_bias_from=args.timestep_bias_from,
+        precision=args.precision,
+        compile=not args.no_compile,
+    )
 
 
 def cmd_minisd_train(args) -> None:
@@ -57,17 +89,31 @@ def cmd_minisd_train(args) -> None:
     settings.check()
     folder = args.text_encoder or os.path.join(args.encoders_dir, "all-MiniLM-L6-v2")
     check_input(folder, "the text encoder; python scripts/get_real_encoders.py puts it in weights/encoders")
+    phase(f"loading the text encoder {folder}")
     encoder = load_text_encoder(folder, layer=args.layer, allow_pickle=args.allow_pickle)
-    result = train(args.out, encoder, settings, checkpoint_dir=args.checkpoints, checkpoint_every=args.checkpoint_every,
-                   cache_dir=args.cache, progress=not args.json)  # fmt: skip
+    # the captions' states are encoded (or read from the cache) before the first step
+    phase("encoding the captions and building the U-Net")
+    result = train(
+        args.out,
+        encoder,
+        settings,
+        checkpoint_dir=args.checkpoints,
+        checkpoint_every=args.checkpoint_every,
+        cache_dir=args.cache,
+        progress=not args.json,
+    )
     last = result.history[-1]["loss"] if result.history else float("nan")
     if result.resumed_from == result.steps:
-        table = (f"the checkpoint already holds all {result.steps} steps: nothing left to train (last loss {last:.4f})"
-                 f"\nsaved its EMA weights to {result.folder}")  # fmt: skip
+        table = (
+            f"the checkpoint already holds all {result.steps} steps: nothing left to train (last loss {last:.4f})"
+            f"\nsaved its EMA weights to {result.folder}"
+        )
     else:
         resumed = f", resumed from step {result.resumed_from}" if result.resumed_from else ""
-        table = (f"trained {result.steps} steps{resumed} in {result.seconds:.0f} s ({result.samples_per_second:.1f} "
-                 f"samples/s); last loss {last:.4f}\nsaved the EMA weights to {result.folder}")  # fmt: skip
+        table = (
+            f"trained {result.steps} steps{resumed} in {result.seconds:.0f} s ({result.samples_per_second:.1f} "
+            f"samples/s); last loss {last:.4f}\nsaved the EMA weights to {result.folder}"
+        )
     show_result(args, asdict(result), table)
 
 
@@ -76,7 +122,9 @@ def _pipeline(args):
 
     check_input(args.model, "--model")
     phase(f"loading the mini SD {args.model} and its text encoder")
-    return MiniSDPipeline.from_pretrained(args.model, args.text_encoder, args.encoders_dir, allow_pickle=args.allow_pickle)
+    return MiniSDPipeline.from_pretrained(
+        args.model, args.text_encoder, args.encoders_dir, allow_pickle=args.allow_pickle
+    )
 
 
 def _model_name(path: str, pipe) -> str:
@@ -95,15 +143,22 @@ def _steering(args):
     if args.guide_layers:
         refuse_options(args, ("guide_resolution",), "with --guide-layers (the layers are named, not found by side)")
     layers = tuple(n for n in args.guide_layers.split(",") if n) if args.guide_layers else None
-    settings = SteeringSettings(objectives=args.guide, scale=args.guide_scale, steps=args.guide_steps,
-                                resolution=args.guide_resolution, layers=layers or None)  # fmt: skip
+    settings = SteeringSettings(
+        objectives=args.guide,
+        scale=args.guide_scale,
+        steps=args.guide_steps,
+        resolution=args.guide_resolution,
+        layers=layers or None,
+    )
     settings.check()
     return settings
 
 
 def _steering_title(settings) -> str:
     where = ", ".join(settings.layers) if settings.layers else f"maps at {settings.resolution}x{settings.resolution}"
-    return f"steered by {'+'.join(settings.objectives)} (scale {settings.scale:g}, first {settings.steps} steps, {where})"
+    return (
+        f"steered by {'+'.join(settings.objectives)} (scale {settings.scale:g}, first {settings.steps} steps, {where})"
+    )
 
 
 def cmd_minisd_sample(args) -> None:
@@ -126,17 +181,36 @@ def cmd_minisd_sample(args) -> None:
 
         guides = caption_guides(pipe.encoder, prompts, pipe.spec.image_size)
     with progress_bar(args, total=len(prompts), desc="sampling", unit="image") as bar:
-        out = pipe(prompts, args.steps, args.guidance, seeds=seeds, sampler=args.sampler, progress=bar,
-                   steering=steering, guides=guides)  # fmt: skip
+        out = pipe(
+            prompts,
+            args.steps,
+            args.guidance,
+            seeds=seeds,
+            sampler=args.sampler,
+            progress=bar,
+            steering=steering,
+            guides=guides,
+        )
     title = f"{_model_name(args.model, pipe)}: {args.sampler} {args.steps} steps, guidance {args.guidance:g}"
     if steering is not None:
         title += f", {_steering_title(steering)}"
     sample_grid(out.images, prompts, seeds, args.out, title)
     steered = None if steering is None else {k: v for k, v in asdict(steering).items() if k != "text_positions"}
-    show_result(args, {"model": args.model, "checkpoint_step": pipe.spec.training.get("checkpoint_step"),
-                       "prompts": prompts, "seeds": seeds, "guidance_scale": args.guidance, "steps": args.steps,
-                       "sampler": args.sampler, "steering": steered, "grid": args.out},
-            f"wrote {len(prompts)} images to {args.out} ({title})")  # fmt: skip
+    show_result(
+        args,
+        {
+            "model": args.model,
+            "checkpoint_step": pipe.spec.training.get("checkpoint_step"),
+            "prompts": prompts,
+            "seeds": seeds,
+            "guidance_scale": args.guidance,
+            "steps": args.steps,
+            "sampler": args.sampler,
+            "steering": steered,
+            "grid": args.out,
+        },
+        f"wrote {len(prompts)} images to {args.out} ({title})",
+    )
 
 
 def cmd_minisd_eval(args) -> None:
@@ -153,8 +227,18 @@ def cmd_minisd_eval(args) -> None:
     pipe = _pipeline(args)
     images = args.count * len(sets) * (1 + (0 if args.no_floors else 2) + (steering is not None))
     with progress_bar(args, total=images, desc="generating", unit="image") as bar:
-        ev = evaluate(pipe, sets, args.count, args.guidance, args.steps, args.sampler, floors=not args.no_floors,
-                      model_name=_model_name(args.model, pipe), progress=bar, steering=steering)  # fmt: skip
+        ev = evaluate(
+            pipe,
+            sets,
+            args.count,
+            args.guidance,
+            args.steps,
+            args.sampler,
+            floors=not args.no_floors,
+            model_name=_model_name(args.model, pipe),
+            progress=bar,
+            steering=steering,
+        )
     table = format_evaluation(ev)
     if args.panel:
         draw_panel(ev, args.panel)
@@ -163,20 +247,32 @@ def cmd_minisd_eval(args) -> None:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("minisd", help="the mini Stable Diffusion trained here: train, sample, judge",
-                       description="A small SD-1.x-shaped U-Net on 32x32 pixels, conditioned on all-MiniLM-L6-v2 "
-                                   "token states, trained on captioned shapes whose masks are known. Without a "
-                                   "subcommand, explains itself.")  # fmt: skip
+    p = sub.add_parser(
+        "minisd",
+        help="the mini Stable Diffusion trained here: train, sample, judge",
+        description="A small SD-1.x-shaped U-Net on 32x32 pixels, conditioned on all-MiniLM-L6-v2 "
+        "token states, trained on captioned shapes whose masks are known. Without a "
+        "subcommand, explains itself.",
+    )
     p.set_defaults(func=cmd_minisd)
-    p.add_argument("--model", dest="explain_model", default="weights/minisd",
-                   help="without a subcommand: the mini SD folder to explain")  # fmt: skip
-    p.add_argument("--encoders-dir", dest="explain_encoders_dir", default="weights/encoders",
-                   help="without a subcommand: where its text encoder is looked for")  # fmt: skip
+    p.add_argument(
+        "--model",
+        dest="explain_model",
+        default="weights/minisd",
+        help="without a subcommand: the mini SD folder to explain",
+    )
+    p.add_argument(
+        "--encoders-dir",
+        dest="explain_encoders_dir",
+        default="weights/encoders",
+        help="without a subcommand: where its text encoder is looked for",
+    )
     minisd_sub = p.add_subparsers(dest="minisd_command", metavar="SUBCOMMAND", parser_class=Parser)
 
     def encoder_options(q):
-        q.add_argument("--text-encoder", metavar="DIR", help="the text encoder folder (default: the model's, "
-                                                               "from --encoders-dir)")  # fmt: skip
+        q.add_argument(
+            "--text-encoder", metavar="DIR", help="the text encoder folder (default: the model's, from --encoders-dir)"
+        )
         q.add_argument("--encoders-dir", default="weights/encoders", help="where the real encoders are")
         q.add_argument("--allow-pickle", action="store_true", help="read pickle weights (with weights_only=True)")
 
@@ -185,68 +281,147 @@ def register(sub) -> None:
         q.add_argument("--guidance", type=nonnegative_float, default=4.0, help="classifier-free guidance scale")
         q.add_argument("--steps", type=positive_int, default=25, help="sampling steps")
         q.add_argument("--sampler", choices=("ddim", "dpm"), default="ddim", help="DDIM or DPM-Solver++")
-        q.add_argument("--guide", type=steering_objectives, metavar="OBJECTIVES",
-                       help="steer the cross-attention by these objectives, comma-separated: excite "
-                            "(Attend-and-Excite), bind (colour words onto their shapes), layout (each object into "
-                            "its part of the image); guides come from the captions")  # fmt: skip
-        q.add_argument("--guide-scale", type=nonnegative_float, default=40.0,
-                       help="steering step size (A&E's scale, its own default 20; 40 is layout's best on the mini SD)")
+        q.add_argument(
+            "--guide",
+            type=steering_objectives,
+            metavar="OBJECTIVES",
+            help="steer the cross-attention by these objectives, comma-separated: excite "
+            "(Attend-and-Excite), bind (colour words onto their shapes), layout (each object into "
+            "its part of the image); guides come from the captions",
+        )
+        q.add_argument(
+            "--guide-scale",
+            type=nonnegative_float,
+            default=40.0,
+            help="steering step size (A&E's scale, its own default 20; 40 is layout's best on the mini SD)",
+        )
         q.add_argument("--guide-steps", type=nonnegative_int, default=15, help="steer the first this many steps")
-        q.add_argument("--guide-resolution", type=positive_int, default=16,
-                       help="steer the maps of the cross-attention layers at this grid side")  # fmt: skip
+        q.add_argument(
+            "--guide-resolution",
+            type=positive_int,
+            default=16,
+            help="steer the maps of the cross-attention layers at this grid side",
+        )
         q.add_argument("--guide-layers", metavar="NAMES", help="or steer exactly these layers (comma-separated)")
         encoder_options(q)
         add_json(q)
 
     q = add_subcommand(minisd_sub, "train", f"train a mini SD (the shipped recipe: {SHIPPED_TRAINING_TIME})")
-    q.add_argument("--out", default="out/minisd",
-                   help="save the model folder here: a new or empty folder, or a mini SD folder, whose model is "
-                        "replaced (other files in it are kept); the shipped model is weights/minisd")  # fmt: skip
+    q.add_argument(
+        "--out",
+        default="out/minisd",
+        help="save the model folder here: a new or empty folder, or a mini SD folder, whose model is "
+        "replaced (other files in it are kept); the shipped model is weights/minisd",
+    )
     q.add_argument("--steps", type=positive_int, default=3600, help="optimizer steps")
     q.add_argument("--batch-size", type=positive_int, default=32, help="images per step")
     q.add_argument("--lr", type=positive_float, default=1e-3, help="peak learning rate")
-    q.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="cosine",
-                   help="after a 100-step warm-up: cosine decay to zero, or constant (SD 1.x's)")
+    q.add_argument(
+        "--lr-schedule",
+        choices=LR_SCHEDULES,
+        default="cosine",
+        help="after a 100-step warm-up: cosine decay to zero, or constant (SD 1.x's)",
+    )
     q.add_argument("--seed", type=seed, default=0, help="seed of the data stream, noise and initialisation")
-    q.add_argument("--image-size", type=positive_int, default=32, help="image side in pixels: a multiple of 4 from 12 to 512 (trained here: 32 and 64)")
-    q.add_argument("--conditioning", choices=("tokens", "pooled"), default="tokens",
-                   help="tokens: every token state; pooled: their mean, one key/value")  # fmt: skip
+    q.add_argument(
+        "--image-size",
+        type=positive_int,
+        default=32,
+        help="image side in pixels: a multiple of 4 from 12 to 512 (trained here: 32 and 64)",
+    )
+    q.add_argument(
+        "--conditioning",
+        choices=("tokens", "pooled"),
+        default="tokens",
+        help="tokens: every token state; pooled: their mean, one key/value",
+    )
     q.add_argument("--empty-fraction", type=nonnegative_float, default=0.1, help="captions dropped for guidance")
     q.add_argument("--pair-fraction", type=nonnegative_float, default=0.5, help="images with two objects")
-    q.add_argument("--grounding-weight", type=nonnegative_float, default=0.0,
-                   help="weight of the loss that makes each object's words attend to its mask (TokenCompose's; 0: off)")
-    q.add_argument("--relation-weight", type=nonnegative_float, default=0.0,
-                   help="weight of the loss that orders a pair's attention as its caption does (left of / right of; 0: off)")
-    q.add_argument("--attention-loss-from", type=nonnegative_int, default=0, metavar="T",
-                   help="apply those two losses only to images noised to timestep T or more (of 1000)")
-    q.add_argument("--zero-terminal-snr", action=argparse.BooleanOptionalAction, default=True,
-                   help="rescale the noise schedule to end at pure noise and predict v (Lin et al. 2024; on by default; "
-                        "SD 1.x ends at SNR 0.0047 and predicts the noise)")  # fmt: skip
-    q.add_argument("--place-embeddings", action=argparse.BooleanOptionalAction, default=True,
-                   help="add diffusers' sinusoidal positional embedding before each transformer block's attention, so "
-                        "queries know their place (on by default; SD 1.x has none: a departure)")  # fmt: skip
-    q.add_argument("--swap-fraction", type=nonnegative_float, default=0.0, metavar="F",
-                   help="noise this fraction of pair images from the pair with its objects exchanged, asking for the "
-                        "true image: the noise then cannot say which object is where (a departure from SD's recipe; "
-                        "default 0: off)")  # fmt: skip
-    q.add_argument("--swap-from", type=nonnegative_int, default=600, metavar="T",
-                   help="... only at timesteps T or more (of 1000; default 600)")
-    q.add_argument("--timestep-bias", type=positive_float, default=3.0, metavar="M",
-                   help="draw timesteps of T or more M times as often as the others (diffusers' 'later' timestep "
-                        "bias; default 3; 1: uniform, SD's recipe)")  # fmt: skip
-    q.add_argument("--timestep-bias-from", type=nonnegative_int, default=900, metavar="T",
-                   help="... T, of 1000 (default 900)")
-    q.add_argument("--layer", choices=LAYERS, default="last",
-                   help="text-encoder layer the U-Net reads: last (SD 1.x) or penultimate (SD 2.x's choice)")
-    q.add_argument("--precision", choices=PRECISIONS, default="auto",
-                   help="bf16: bfloat16 autocast on float32 weights (about 2x fp32's speed on a CPU with AMX, "
-                        "faster on a GPU; on the CPU it trained models that drew fewer pairs); bf16-fp32-ends: the "
-                        "same with the U-Net's first and last layers in float32 (as fast; pairs within the seeds' "
-                        "spread of fp32's, on four seeds); auto: bf16-fp32-ends on a GPU that has bfloat16, fp32 "
-                        "(what the shipped model was trained in) on a CPU")  # fmt: skip
-    q.add_argument("--no-compile", action="store_true", help="skip torch.compile (saves its ~1-2 min start; trains slower)")
-    q.add_argument("--checkpoints", metavar="DIR", help="write (and resume from) a checkpoint here; DIR/model holds its EMA "
-                   "weights as a mini SD, to eval or sample while the run goes on")
+    q.add_argument(
+        "--grounding-weight",
+        type=nonnegative_float,
+        default=0.0,
+        help="weight of the loss that makes each object's words attend to its mask (TokenCompose's; 0: off)",
+    )
+    q.add_argument(
+        "--relation-weight",
+        type=nonnegative_float,
+        default=0.0,
+        help="weight of the loss that orders a pair's attention as its caption does (left of / right of; 0: off)",
+    )
+    q.add_argument(
+        "--attention-loss-from",
+        type=nonnegative_int,
+        default=0,
+        metavar="T",
+        help="apply those two losses only to images noised to timestep T or more (of 1000)",
+    )
+    q.add_argument(
+        "--zero-terminal-snr",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="rescale the noise schedule to end at pure noise and predict v (Lin et al. 2024; on by default; "
+        "SD 1.x ends at SNR 0.0047 and predicts the noise)",
+    )
+    q.add_argument(
+        "--place-embeddings",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="add diffusers' sinusoidal positional embedding before each transformer block's attention, so "
+        "queries know their place (on by default; SD 1.x has none: a departure)",
+    )
+    q.add_argument(
+        "--swap-fraction",
+        type=nonnegative_float,
+        default=0.0,
+        metavar="F",
+        help="noise this fraction of pair images from the pair with its objects exchanged, asking for the "
+        "true image: the noise then cannot say which object is where (a departure from SD's recipe; "
+        "default 0: off)",
+    )
+    q.add_argument(
+        "--swap-from",
+        type=nonnegative_int,
+        default=600,
+        metavar="T",
+        help="... only at timesteps T or more (of 1000; default 600)",
+    )
+    q.add_argument(
+        "--timestep-bias",
+        type=positive_float,
+        default=3.0,
+        metavar="M",
+        help="draw timesteps of T or more M times as often as the others (diffusers' 'later' timestep "
+        "bias; default 3; 1: uniform, SD's recipe)",
+    )
+    q.add_argument(
+        "--timestep-bias-from", type=nonnegative_int, default=900, metavar="T", help="... T, of 1000 (default 900)"
+    )
+    q.add_argument(
+        "--layer",
+        choices=LAYERS,
+        default="last",
+        help="text-encoder layer the U-Net reads: last (SD 1.x) or penultimate (SD 2.x's choice)",
+    )
+    q.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="auto",
+        help="bf16: bfloat16 autocast on float32 weights (about 2x fp32's speed on a CPU with AMX, "
+        "faster on a GPU; on the CPU it trained models that drew fewer pairs); bf16-fp32-ends: the "
+        "same with the U-Net's first and last layers in float32 (as fast; pairs within the seeds' "
+        "spread of fp32's, on four seeds); auto: bf16-fp32-ends on a GPU that has bfloat16, fp32 "
+        "(what the shipped model was trained in) on a CPU",
+    )
+    q.add_argument(
+        "--no-compile", action="store_true", help="skip torch.compile (saves its ~1-2 min start; trains slower)"
+    )
+    q.add_argument(
+        "--checkpoints",
+        metavar="DIR",
+        help="write (and resume from) a checkpoint here; DIR/model holds its EMA "
+        "weights as a mini SD, to eval or sample while the run goes on",
+    )
     q.add_argument("--checkpoint-every", type=positive_int, default=200, help="steps between checkpoints")
     q.add_argument("--cache", type=cache_folder, default=CACHE_DEFAULT, help=CACHE_HELP)
     encoder_options(q)
@@ -268,4 +443,3 @@ def register(sub) -> None:
     q.add_argument("--panel", metavar="FILE.png", help="draw samples with the judge's verdicts here")
     sampling_options(q)
     q.set_defaults(minisd_func=cmd_minisd_eval)
-

@@ -153,8 +153,16 @@ def exhaustive(phi: str, store: Store, m: int, beta: float) -> tuple[float, floa
     return sir, accuracy, powers
 
 
-def streamed(phi: str, store: Store, memories: list[int], beta: float, queries: int = 256, accuracy_queries: int = 64,
-             chunk: int = 65536, progress=None) -> tuple[list[float], list[float], list[torch.Tensor]]:  # fmt: skip
+def streamed(
+    phi: str,
+    store: Store,
+    memories: list[int],
+    beta: float,
+    queries: int = 256,
+    accuracy_queries: int = 64,
+    chunk: int = 65536,
+    progress=None,
+) -> tuple[list[float], list[float], list[torch.Tensor]]:
     """SIR, accuracy and each query's interference power at each M in `memories` (sorted, each >=
     queries), in one pass over the keys.
 
@@ -217,9 +225,19 @@ def crossing(memories: list[int], sirs: list[float]) -> tuple[float | None, bool
     return None, False
 
 
-def measure_curve(phi: str, d: int, memories: list[int], beta: float | None = None, keys: torch.Tensor | None = None,
-                  key_source: str = "random", trials: int = 4, queries: int = 256, seed: int = 0,
-                  chunk: int = 65536, progress=None) -> Curve:  # fmt: skip
+def measure_curve(
+    phi: str,
+    d: int,
+    memories: list[int],
+    beta: float | None = None,
+    keys: torch.Tensor | None = None,
+    key_source: str = "random",
+    trials: int = 4,
+    queries: int = 256,
+    seed: int = 0,
+    chunk: int = 65536,
+    progress=None,
+) -> Curve:
     """SIR and accuracy at each M: exhaustively up to EXHAUSTIVE_LIMIT (mean over trials), streamed beyond."""
     beta = default_beta(d if keys is None else keys.shape[1]) if beta is None else beta
     small = [m for m in memories if m <= EXHAUSTIVE_LIMIT]
@@ -234,17 +252,30 @@ def measure_curve(phi: str, d: int, memories: list[int], beta: float | None = No
         if progress is not None:
             progress.update(m * trials)
     if large:
-        s, a, p = streamed(phi, Store(d, seed, keys), large, beta, min(queries, large[0]), chunk=chunk, progress=progress)
+        s, a, p = streamed(
+            phi, Store(d, seed, keys), large, beta, min(queries, large[0]), chunk=chunk, progress=progress
+        )
         sirs, accs, powers = sirs + s, accs + a, powers + p
     dim = d if keys is None else keys.shape[1]
     capacity, extrapolated = crossing(memories, sirs)
-    return Curve(phi, dim, beta if phi == "softmax" else None, key_source, list(memories), sirs, accs,
-                 min(queries, large[0]) if large else -1, capacity, extrapolated,
-                 capacity_interval(memories, powers, phi, seed=seed) if capacity is not None else None)  # fmt: skip
+    return Curve(
+        phi,
+        dim,
+        beta if phi == "softmax" else None,
+        key_source,
+        list(memories),
+        sirs,
+        accs,
+        min(queries, large[0]) if large else -1,
+        capacity,
+        extrapolated,
+        capacity_interval(memories, powers, phi, seed=seed) if capacity is not None else None,
+    )
 
 
-def capacity_interval(memories: list[int], powers: list[torch.Tensor], phi: str, samples: int = 400, seed: int = 0,
-                      level: float = 0.95) -> list[float] | None:  # fmt: skip
+def capacity_interval(
+    memories: list[int], powers: list[torch.Tensor], phi: str, samples: int = 400, seed: int = 0, level: float = 0.95
+) -> list[float] | None:
     """A percentile bootstrap interval of M* over the queries: each draw resamples every M's queries
     (the streamed M share one set of queries, and are resampled together), recomputes the SIR
     curve and finds where it crosses 1. None when fewer than half the draws cross within the search."""

@@ -1,10 +1,10 @@
 """The mini Stable Diffusion trained here: data with an answer key, training, sampling, the judge.
 
-    data.py      captioned shapes with known masks (the generator)
-    judge.py     reads colour, place and shape back from pixels
-    pipeline.py  the model folder and text -> image sampling
-    train.py     `sdkit minisd train`
-    evaluate.py  `sdkit minisd eval`: judged accuracy against floors
+data.py      captioned shapes with known masks (the generator)
+judge.py     reads colour, place and shape back from pixels
+pipeline.py  the model folder and text -> image sampling
+train.py     `sdkit minisd train`
+evaluate.py  `sdkit minisd eval`: judged accuracy against floors
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 # In float32, the default on a CPU, alone on 2 cores: 55 min on a Xeon without AMX (the shipped
 # model), 37-43 min on a Xeon with AMX (seeds 2, 4, 5 and 6), 48 at bench_minisd's 40.5 samples/s on
-# an AMD EPYC (README "Speed", "Reproducible").
+# an AMD EPYC (docs/training.md, "Speed" and "Reproducible").
 SHIPPED_TRAINING_TIME = "37-55 min on 2 CPU cores"
 # train.py's choices, here so that the CLI offers them without importing torch
 PRECISIONS = ("auto", "bf16", "bf16-fp32-ends", "fp32")
@@ -23,9 +23,11 @@ LR_SCHEDULES = ("cosine", "constant")
 def explanation(model: str = "weights/minisd", encoders_dir: str = "weights/encoders") -> str:
     have_model = (Path(model) / "minisd.json").is_file()
     have_encoder = (Path(encoders_dir) / "all-MiniLM-L6-v2" / "config.json").is_file()
-    state = [f"model: {model} {'is here' if have_model else 'is missing (sdkit minisd train writes it)'}",
-             f"text encoder: {Path(encoders_dir) / 'all-MiniLM-L6-v2'} "
-             f"{'is here' if have_encoder else 'is missing (python scripts/get_real_encoders.py)'}"]  # fmt: skip
+    state = [
+        f"model: {model} {'is here' if have_model else 'is missing (sdkit minisd train writes it)'}",
+        f"text encoder: {Path(encoders_dir) / 'all-MiniLM-L6-v2'} "
+        f"{'is here' if have_encoder else 'is missing (python scripts/get_real_encoders.py)'}",
+    ]
     return f"""sdkit minisd: a mini Stable Diffusion that has learned, with an answer key.
 
 An SD-1.x-shaped U-Net (cross-attention down/up blocks, GEGLU feed-forward, a cross-attention mid

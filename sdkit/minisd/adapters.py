@@ -28,8 +28,16 @@ def training_captions(count: int, seed: int = 0) -> list[str]:
     return ["" if rng.random() < 0.01 else random_scene(rng).caption for _ in range(count)]
 
 
-def judge_adapters(pipe: MiniSDPipeline, new: TextEncoder, adapters: dict, sets=SETS, count: int = 64,
-                   guidance_scale: float = 4.0, steps: int = 25, progress=None) -> dict:  # fmt: skip
+def judge_adapters(
+    pipe: MiniSDPipeline,
+    new: TextEncoder,
+    adapters: dict,
+    sets=SETS,
+    count: int = 64,
+    guidance_scale: float = 4.0,
+    steps: int = 25,
+    progress=None,
+) -> dict:
     """Judged accuracy per method and set: the native encoder, then each adapter on the new one."""
     from ..adapter import adapted_embeddings
 
@@ -46,11 +54,24 @@ def judge_adapters(pipe: MiniSDPipeline, new: TextEncoder, adapters: dict, sets=
         for name, adapter in adapters.items():
             embeds = adapted_embeddings(adapter, new, captions)
             negative = adapted_embeddings(adapter, new, [""])
-            out = pipe(captions, steps, guidance_scale, seeds=seeds, prompt_embeds=embeds, negative_prompt_embeds=negative,
-                       progress=progress)  # fmt: skip
+            out = pipe(
+                captions,
+                steps,
+                guidance_scale,
+                seeds=seeds,
+                prompt_embeds=embeds,
+                negative_prompt_embeds=negative,
+                progress=progress,
+            )
             results.setdefault(name, {})[set_name] = accuracy([judge(im, s) for im, s in zip(out.images, scenes)])
-    return {"sets": list(sets), "count": count, "guidance_scale": guidance_scale, "steps": steps, "results": results,
-            "seconds": time.perf_counter() - start}  # fmt: skip
+    return {
+        "sets": list(sets),
+        "count": count,
+        "guidance_scale": guidance_scale,
+        "steps": steps,
+        "results": results,
+        "seconds": time.perf_counter() - start,
+    }
 
 
 def format_judged(j: dict, model: str) -> str:
@@ -60,8 +81,16 @@ def format_judged(j: dict, model: str) -> str:
         for set_name in j["sets"]:
             acc = by_set[set_name]
             relative = acc["all"] / native[set_name]["all"] if native[set_name]["all"] else float("nan")
-            rows.append([name if set_name == j["sets"][0] else "", set_name, *accuracy_cells(acc),
-                         "-" if name == "native" else f"{100 * relative:.0f} %"])  # fmt: skip
-    title = (f"{model} driven through each adapter: judged accuracy ({j['count']} prompts per set, guidance "
-             f"{j['guidance_scale']:g}); 'of native' = all-attributes accuracy relative to the model's own encoder")  # fmt: skip
+            rows.append(
+                [
+                    name if set_name == j["sets"][0] else "",
+                    set_name,
+                    *accuracy_cells(acc),
+                    "-" if name == "native" else f"{100 * relative:.0f} %",
+                ]
+            )
+    title = (
+        f"{model} driven through each adapter: judged accuracy ({j['count']} prompts per set, guidance "
+        f"{j['guidance_scale']:g}); 'of native' = all-attributes accuracy relative to the model's own encoder"
+    )
     return format_table(["method", "prompts", *HEADERS, "of native"], rows, title=title)

@@ -54,8 +54,9 @@ def condition_states(pipe: MiniSDPipeline, captions: list[str]) -> dict[str, lis
     return out
 
 
-def generate_grouped(pipe: MiniSDPipeline, states: list[torch.Tensor], seeds: list[int], guidance_scale: float,
-                     steps: int, progress=None) -> np.ndarray:  # fmt: skip
+def generate_grouped(
+    pipe: MiniSDPipeline, states: list[torch.Tensor], seeds: list[int], guidance_scale: float, steps: int, progress=None
+) -> np.ndarray:
     """Images for per-caption states of varying lengths: batched by length, never padded (zero
     tokens would take attention weight)."""
     images = [None] * len(states)
@@ -63,9 +64,14 @@ def generate_grouped(pipe: MiniSDPipeline, states: list[torch.Tensor], seeds: li
     negative = pipe.encode([""])
     for length in lengths:
         index = [i for i, s in enumerate(states) if s.shape[0] == length]
-        out = pipe(prompt_embeds=torch.stack([states[i] for i in index]), negative_prompt_embeds=negative,
-                   seeds=[seeds[i] for i in index], guidance_scale=guidance_scale, num_inference_steps=steps,
-                   progress=progress)  # fmt: skip
+        out = pipe(
+            prompt_embeds=torch.stack([states[i] for i in index]),
+            negative_prompt_embeds=negative,
+            seeds=[seeds[i] for i in index],
+            guidance_scale=guidance_scale,
+            num_inference_steps=steps,
+            progress=progress,
+        )
         for j, i in enumerate(index):
             images[i] = out.images[j]
     return np.stack(images)
@@ -89,16 +95,27 @@ class TokenComparison:
         return out
 
 
-def compare_token_conditions(pipe: MiniSDPipeline, pooled_pipe: MiniSDPipeline | None = None, count: int = 64,
-                             guidance_scale: float = 4.0, steps: int = 25, grid_prompts: int = 3,
-                             model_name: str = "model", pooled_name: str | None = None,
-                             progress=None) -> TokenComparison:  # fmt: skip
+def compare_token_conditions(
+    pipe: MiniSDPipeline,
+    pooled_pipe: MiniSDPipeline | None = None,
+    count: int = 64,
+    guidance_scale: float = 4.0,
+    steps: int = 25,
+    grid_prompts: int = 3,
+    model_name: str = "model",
+    pooled_name: str | None = None,
+    progress=None,
+) -> TokenComparison:
     if pipe.spec.conditioning != "tokens":
-        raise SdkitError(f"{model_name}: the conditions are cut from every token's state, and this model was trained "
-                         f"on the {pipe.spec.conditioning} state; give a model trained on tokens")  # fmt: skip
+        raise SdkitError(
+            f"{model_name}: the conditions are cut from every token's state, and this model was trained "
+            f"on the {pipe.spec.conditioning} state; give a model trained on tokens"
+        )
     if pooled_pipe is not None and pooled_pipe.spec.conditioning != "pooled":
-        raise SdkitError(f"{pooled_name}: the pooled-trained model must be trained on the pooled state (sdkit minisd "
-                         f"train --conditioning pooled); this one was trained on {pooled_pipe.spec.conditioning}")  # fmt: skip
+        raise SdkitError(
+            f"{pooled_name}: the pooled-trained model must be trained on the pooled state (sdkit minisd "
+            f"train --conditioning pooled); this one was trained on {pooled_pipe.spec.conditioning}"
+        )
     check_images_fit(count, pipe.spec.image_size, "judging")
     start = time.perf_counter()
     results: dict[str, dict] = {}
@@ -117,8 +134,17 @@ def compare_token_conditions(pipe: MiniSDPipeline, pooled_pipe: MiniSDPipeline |
             results.setdefault(name, {})[set_name] = accuracy([judge(im, s) for im, s in zip(images, scenes)])
             grid.setdefault(name, []).extend(images[:grid_prompts])
         grid_captions += captions[:grid_prompts]
-    return TokenComparison(model_name, pooled_name if pooled_pipe is not None else None, count,
-                           guidance_scale, steps, results, time.perf_counter() - start, grid, grid_captions)  # fmt: skip
+    return TokenComparison(
+        model_name,
+        pooled_name if pooled_pipe is not None else None,
+        count,
+        guidance_scale,
+        steps,
+        results,
+        time.perf_counter() - start,
+        grid,
+        grid_captions,
+    )
 
 
 def format_token_comparison(c: TokenComparison) -> str:
@@ -127,23 +153,32 @@ def format_token_comparison(c: TokenComparison) -> str:
         for set_name in SETS:
             acc = by_set[set_name]
             rows.append([name if set_name == SETS[0] else "", set_name, *accuracy_cells(acc)])
-    out = [format_table(["condition", "prompts", *HEADERS], rows,
-                        title=f"{c.model}: judged accuracy by conditioning ({c.count} prompts per set, guidance "
-                              f"{c.guidance_scale:g}, {c.steps} steps)")]  # fmt: skip
+    out = [
+        format_table(
+            ["condition", "prompts", *HEADERS],
+            rows,
+            title=f"{c.model}: judged accuracy by conditioning ({c.count} prompts per set, guidance "
+            f"{c.guidance_scale:g}, {c.steps} steps)",
+        )
+    ]
     tokens, pooled = c.results["tokens"], c.results["pooled"]
 
     def pct(result, set_name, attribute):
         return f"{100 * result[set_name][attribute]:.1f} %"
 
-    out.append(f"\nOne key/value (the pooled state) fed to the multi-token model: singles position "
-               f"{pct(pooled, 'singles', 'position')} (all tokens: {pct(tokens, 'singles', 'position')}),\n"
-               f"  pairs all {pct(pooled, 'pairs', 'all')} ({pct(tokens, 'pairs', 'all')}).")  # fmt: skip
+    out.append(
+        f"\nOne key/value (the pooled state) fed to the multi-token model: singles position "
+        f"{pct(pooled, 'singles', 'position')} (all tokens: {pct(tokens, 'singles', 'position')}),\n"
+        f"  pairs all {pct(pooled, 'pairs', 'all')} ({pct(tokens, 'pairs', 'all')})."
+    )
     if "pooled-trained model" in c.results:
         trained = c.results["pooled-trained model"]
-        out.append(f"A model trained on the pooled state only: singles position {pct(trained, 'singles', 'position')}, "
-                   f"all {pct(trained, 'singles', 'all')}\n  (multi-token model: {pct(tokens, 'singles', 'position')}, "
-                   f"{pct(tokens, 'singles', 'all')}); pairs all {pct(trained, 'pairs', 'all')} "
-                   f"({pct(tokens, 'pairs', 'all')}).")  # fmt: skip
+        out.append(
+            f"A model trained on the pooled state only: singles position {pct(trained, 'singles', 'position')}, "
+            f"all {pct(trained, 'singles', 'all')}\n  (multi-token model: {pct(tokens, 'singles', 'position')}, "
+            f"{pct(tokens, 'singles', 'all')}); pairs all {pct(trained, 'pairs', 'all')} "
+            f"({pct(tokens, 'pairs', 'all')})."
+        )
     out.append(f"({c.seconds:.0f} s)")
     return "\n".join(out)
 
@@ -161,8 +196,17 @@ def draw_comparison(c: TokenComparison, path) -> None:
     prompts = len(c.grid_captions)
     fig = plt.figure(figsize=(max(10, 1.5 * len(names)), 4.5 + 1.3 * prompts), dpi=110)
     # Bars on top, a spacer row for their tick labels, then one row of samples per prompt.
-    grid = fig.add_gridspec(2 + prompts, len(names), height_ratios=[3, 0.6] + [1] * prompts, left=0.2, right=0.98,
-                            top=0.93, bottom=0.01, hspace=0.25, wspace=0.08)  # fmt: skip
+    grid = fig.add_gridspec(
+        2 + prompts,
+        len(names),
+        height_ratios=[3, 0.6] + [1] * prompts,
+        left=0.2,
+        right=0.98,
+        top=0.93,
+        bottom=0.01,
+        hspace=0.25,
+        wspace=0.08,
+    )
     for column, set_name in enumerate(SETS):
         ax = fig.add_subplot(grid[0, column * len(names) // 2 : (column + 1) * len(names) // 2])
         width = 0.8 / len(ATTRIBUTES)
@@ -171,8 +215,13 @@ def draw_comparison(c: TokenComparison, path) -> None:
             bars = ax.bar(np.arange(len(names)) + k * width, values, width, label=attribute)
             if attribute == "all":  # the headline; four labels to a group collide ("9797 9595")
                 # on a white box: a label can stand over a taller neighbouring bar
-                ax.bar_label(bars, fmt="%.0f", fontsize=7, padding=1,
-                             bbox={"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "none"})  # fmt: skip
+                ax.bar_label(
+                    bars,
+                    fmt="%.0f",
+                    fontsize=7,
+                    padding=1,
+                    bbox={"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "none"},
+                )
         ax.set_xticks(np.arange(len(names)) + 0.4 - width / 2, names, rotation=30, ha="right", fontsize=7)
         ax.set(ylim=(0, 112), title=f"{set_name}")
         ax.set_ylabel("% correct" if column == 0 else "", fontsize=8)
@@ -186,7 +235,14 @@ def draw_comparison(c: TokenComparison, path) -> None:
             if row == 0:
                 ax.set_title(name, fontsize=7)
             if column == 0:
-                ax.text(-0.08, 0.5, textwrap.fill(c.grid_captions[row], 24), transform=ax.transAxes, ha="right", va="center",
-                        fontsize=7)  # fmt: skip
+                ax.text(
+                    -0.08,
+                    0.5,
+                    textwrap.fill(c.grid_captions[row], 24),
+                    transform=ax.transAxes,
+                    ha="right",
+                    va="center",
+                    fontsize=7,
+                )
     fig.suptitle(f"{c.model}: one token against many (same prompt and seed along each row)", fontsize=9)
     save_figure(fig, path)

@@ -27,9 +27,17 @@ SHAPES = ("circle", "square", "triangle")
 ROWS = ("top", "middle", "bottom")
 COLUMNS = ("left", "center", "right")
 # The name of each cell of the 3x3 grid, as captions say it.
-POSITIONS = {(0, 0): "top left", (0, 1): "top", (0, 2): "top right",
-             (1, 0): "left", (1, 1): "center", (1, 2): "right",
-             (2, 0): "bottom left", (2, 1): "bottom", (2, 2): "bottom right"}  # fmt: skip
+POSITIONS = {
+    (0, 0): "top left",
+    (0, 1): "top",
+    (0, 2): "top right",
+    (1, 0): "left",
+    (1, 1): "center",
+    (1, 2): "right",
+    (2, 0): "bottom left",
+    (2, 1): "bottom",
+    (2, 2): "bottom right",
+}
 CELLS = {name: cell for cell, name in POSITIONS.items()}
 RELATIONS = ("left of", "right of")
 BACKGROUND = (0.5, 0.5, 0.5)  # grey: no saturation, so every coloured pixel belongs to an object
@@ -41,16 +49,35 @@ DEFAULT_SIDE = 32
 # Combinations training never sees, for a compositional test: single objects of this colour and
 # shape at this place (each colour, shape and place is seen otherwise), and pairs of these two
 # objects (in either order and either relation).
-HELD_OUT_SINGLES = (("red", "triangle", "bottom right"), ("green", "circle", "top left"),
-                    ("blue", "square", "center"), ("yellow", "triangle", "left"),
-                    ("cyan", "square", "top right"), ("magenta", "circle", "bottom"))  # fmt: skip
-HELD_OUT_PAIRS = ((("red", "square"), ("green", "circle")), (("blue", "triangle"), ("yellow", "square")),
-                  (("magenta", "circle"), ("cyan", "triangle")), (("yellow", "circle"), ("red", "triangle")))  # fmt: skip
+HELD_OUT_SINGLES = (
+    ("red", "triangle", "bottom right"),
+    ("green", "circle", "top left"),
+    ("blue", "square", "center"),
+    ("yellow", "triangle", "left"),
+    ("cyan", "square", "top right"),
+    ("magenta", "circle", "bottom"),
+)
+HELD_OUT_PAIRS = (
+    (("red", "square"), ("green", "circle")),
+    (("blue", "triangle"), ("yellow", "square")),
+    (("magenta", "circle"), ("cyan", "triangle")),
+    (("yellow", "circle"), ("red", "triangle")),
+)
 
-SINGLE_TEMPLATES = ("a {c} {s} at the {p}", "a {c} {s} in the {p}", "{c} {s}, {p}", "there is a {c} {s} at the {p}",
-                    "the {p} has a {c} {s}", "a {s} colored {c} at the {p}")  # fmt: skip
-PAIR_TEMPLATES = ("a {c1} {s1} to the {r} a {c2} {s2}", "a {c1} {s1} {r} a {c2} {s2}",
-                  "there is a {c1} {s1} to the {r} a {c2} {s2}", "{c1} {s1} {r} {c2} {s2}")  # fmt: skip
+SINGLE_TEMPLATES = (
+    "a {c} {s} at the {p}",
+    "a {c} {s} in the {p}",
+    "{c} {s}, {p}",
+    "there is a {c} {s} at the {p}",
+    "the {p} has a {c} {s}",
+    "a {s} colored {c} at the {p}",
+)
+PAIR_TEMPLATES = (
+    "a {c1} {s1} to the {r} a {c2} {s2}",
+    "a {c1} {s1} {r} a {c2} {s2}",
+    "there is a {c1} {s1} to the {r} a {c2} {s2}",
+    "{c1} {s1} {r} {c2} {s2}",
+)
 
 
 @dataclass(frozen=True)
@@ -110,8 +137,14 @@ def single_scene(colour: str, shape: str, position: str, template: int = 0) -> S
     return Scene((ObjectSpec(colour, shape, row, column),), None, template)
 
 
-def pair_scene(first: tuple[str, str], relation: str, second: tuple[str, str], row: int = 1,
-               columns: tuple[int, int] | None = None, template: int = 0) -> Scene:  # fmt: skip
+def pair_scene(
+    first: tuple[str, str],
+    relation: str,
+    second: tuple[str, str],
+    row: int = 1,
+    columns: tuple[int, int] | None = None,
+    template: int = 0,
+) -> Scene:
     """objects[0] = first, `relation` ("left of" / "right of") the second, in one row."""
     left, right = columns or (0, 2)
     a, b = (left, right) if relation == "left of" else (right, left)
@@ -126,11 +159,21 @@ def random_scene(rng: random.Random, pair_fraction: float = 0.5, held_out: bool 
             second = (rng.choice(list(COLOURS)), rng.choice(SHAPES))
             if first == second:  # "a red circle left of a red circle" names no object apart
                 continue
-            scene = pair_scene(first, rng.choice(RELATIONS), second, rng.randrange(3),
-                               tuple(sorted(rng.sample(range(3), 2))), rng.randrange(len(PAIR_TEMPLATES)))  # fmt: skip
+            scene = pair_scene(
+                first,
+                rng.choice(RELATIONS),
+                second,
+                rng.randrange(3),
+                tuple(sorted(rng.sample(range(3), 2))),
+                rng.randrange(len(PAIR_TEMPLATES)),
+            )
         else:
-            scene = single_scene(rng.choice(list(COLOURS)), rng.choice(SHAPES), rng.choice(list(CELLS)),
-                                 rng.randrange(len(SINGLE_TEMPLATES)))  # fmt: skip
+            scene = single_scene(
+                rng.choice(list(COLOURS)),
+                rng.choice(SHAPES),
+                rng.choice(list(CELLS)),
+                rng.randrange(len(SINGLE_TEMPLATES)),
+            )
         if scene.held_out == held_out:
             return scene
 
@@ -165,11 +208,16 @@ def render(scene: Scene, side: int = DEFAULT_SIDE, rng: random.Random | None = N
         # Only the pixels of the object's box are sampled: every shape lies within r of its centre.
         top, left = max(0, math.floor(cy - r) - 1), max(0, math.floor(cx - r) - 1)
         bottom, right = min(side, math.ceil(cy + r) + 1), min(side, math.ceil(cx + r) + 1)
-        y, x = np.meshgrid((np.arange(top * supersample, bottom * supersample) + 0.5) / supersample,
-                           (np.arange(left * supersample, right * supersample) + 0.5) / supersample, indexing="ij")  # fmt: skip
+        y, x = np.meshgrid(
+            (np.arange(top * supersample, bottom * supersample) + 0.5) / supersample,
+            (np.arange(left * supersample, right * supersample) + 0.5) / supersample,
+            indexing="ij",
+        )
         inside = shape_coverage(obj.shape, x, y, cx, cy, r)
         alpha = np.zeros((side, side), np.float32)
-        alpha[top:bottom, left:right] = inside.reshape(bottom - top, supersample, right - left, supersample).mean(axis=(1, 3))
+        alpha[top:bottom, left:right] = inside.reshape(bottom - top, supersample, right - left, supersample).mean(
+            axis=(1, 3)
+        )
         image = image * (1 - alpha[..., None]) + np.array(colour_rgb(obj.colour), np.float32) * alpha[..., None]
         masks.append(alpha >= 0.5)
     return Sample(scene, image.astype(np.float32), np.stack(masks))
@@ -178,11 +226,19 @@ def render(scene: Scene, side: int = DEFAULT_SIDE, rng: random.Random | None = N
 def swapped_objects(scene: Scene) -> Scene:
     """The scene with its two objects' colours and shapes exchanged, each cell kept (a pair's other order)."""
     a, b = scene.objects
-    return replace(scene, objects=(replace(a, colour=b.colour, shape=b.shape), replace(b, colour=a.colour, shape=a.shape)))
+    return replace(
+        scene, objects=(replace(a, colour=b.colour, shape=b.shape), replace(b, colour=a.colour, shape=a.shape))
+    )
 
 
-def sample_at(seed: int, index: int, side: int = DEFAULT_SIDE, pair_fraction: float = 0.5,
-              held_out: bool = False, swapped: bool = False) -> Sample:  # fmt: skip
+def sample_at(
+    seed: int,
+    index: int,
+    side: int = DEFAULT_SIDE,
+    pair_fraction: float = 0.5,
+    held_out: bool = False,
+    swapped: bool = False,
+) -> Sample:
     """The index-th sample of the stream `seed`: the same on every machine and in every run.
 
     swapped=True: a pair's sample drawn with its objects exchanged (swapped_objects), each object

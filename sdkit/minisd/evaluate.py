@@ -20,8 +20,18 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from ..common import SdkitError, format_table, save_figure
-from .data import HELD_OUT_PAIRS, HELD_OUT_SINGLES, PAIR_TEMPLATES, RELATIONS, SINGLE_TEMPLATES, Scene, pair_scene, \
-    random_scene, render, single_scene  # fmt: skip
+from .data import (
+    HELD_OUT_PAIRS,
+    HELD_OUT_SINGLES,
+    PAIR_TEMPLATES,
+    RELATIONS,
+    SINGLE_TEMPLATES,
+    Scene,
+    pair_scene,
+    random_scene,
+    render,
+    single_scene,
+)
 from .judge import HEADERS, accuracy, accuracy_cells, accuracy_intervals, judge
 from .pipeline import MiniSDPipeline, check_images_fit
 
@@ -51,16 +61,26 @@ def prompt_set(name: str, count: int, seed: int = 1234) -> list[Scene]:
     if name == "pairs":
         return [random_scene(rng, pair_fraction=1.0) for _ in range(count)]
     if name == "held_out_singles":
-        return [single_scene(*HELD_OUT_SINGLES[i % len(HELD_OUT_SINGLES)], template=rng.randrange(len(SINGLE_TEMPLATES)))
-                for i in range(count)]  # fmt: skip
+        return [
+            single_scene(*HELD_OUT_SINGLES[i % len(HELD_OUT_SINGLES)], template=rng.randrange(len(SINGLE_TEMPLATES)))
+            for i in range(count)
+        ]
     if name == "held_out_pairs":
         scenes = []
         for i in range(count):
             first, second = HELD_OUT_PAIRS[i % len(HELD_OUT_PAIRS)]
             if rng.random() < 0.5:
                 first, second = second, first
-            scenes.append(pair_scene(first, rng.choice(RELATIONS), second, rng.randrange(3),
-                                     tuple(sorted(rng.sample(range(3), 2))), rng.randrange(len(PAIR_TEMPLATES))))  # fmt: skip
+            scenes.append(
+                pair_scene(
+                    first,
+                    rng.choice(RELATIONS),
+                    second,
+                    rng.randrange(3),
+                    tuple(sorted(rng.sample(range(3), 2))),
+                    rng.randrange(len(PAIR_TEMPLATES)),
+                )
+            )
         return scenes
     raise SdkitError(f"unknown prompt set {name!r}; choose from {', '.join(SETS)}")
 
@@ -96,9 +116,18 @@ def judge_images(images: np.ndarray, scenes: list[Scene]) -> tuple[dict[str, flo
     return accuracy(verdicts), verdicts
 
 
-def evaluate(pipe: MiniSDPipeline, sets=SETS, count: int = 64, guidance_scale: float = 4.0, steps: int = 25,
-             sampler: str = "ddim", floors: bool = True, model_name: str = "model", progress=None,
-             steering=None) -> Evaluation:  # fmt: skip
+def evaluate(
+    pipe: MiniSDPipeline,
+    sets=SETS,
+    count: int = 64,
+    guidance_scale: float = 4.0,
+    steps: int = 25,
+    sampler: str = "ddim",
+    floors: bool = True,
+    model_name: str = "model",
+    progress=None,
+    steering=None,
+) -> Evaluation:
     """Generate `count` images per set (image i from seed i) and judge them, with the floors.
 
     With `steering` (sdkit.steering.SteeringSettings), the model's images are steered by guides from
@@ -112,8 +141,9 @@ def evaluate(pipe: MiniSDPipeline, sets=SETS, count: int = 64, guidance_scale: f
     start = time.perf_counter()
     scenes = {name: prompt_set(name, count) for name in sets}
     results: dict[str, dict] = {"model": {}, "judge on generator images": {}, "judge, blurred generator images": {}}
-    ev = Evaluation(model_name, guidance_scale, steps, sampler, {n: len(s) for n, s in scenes.items()}, results, 0.0,
-                    scenes=scenes)  # fmt: skip
+    ev = Evaluation(
+        model_name, guidance_scale, steps, sampler, {n: len(s) for n, s in scenes.items()}, results, 0.0, scenes=scenes
+    )
     timed = {"model": 0.0}
     if steering is not None:
         from .steer import caption_guides
@@ -123,8 +153,9 @@ def evaluate(pipe: MiniSDPipeline, sets=SETS, count: int = 64, guidance_scale: f
     untrained = None
     if floors:
         results["empty prompt"], results["untrained"] = {}, {}
-        untrained = MiniSDPipeline(build_unet(dict(pipe.unet.config), weights="random", seed=0), pipe.scheduler_config,
-                                   pipe.spec, pipe.encoder)  # fmt: skip
+        untrained = MiniSDPipeline(
+            build_unet(dict(pipe.unet.config), weights="random", seed=0), pipe.scheduler_config, pipe.spec, pipe.encoder
+        )
     for name, set_scenes in scenes.items():
         captions = [s.caption for s in set_scenes]
         seeds = list(range(len(set_scenes)))
@@ -136,25 +167,38 @@ def evaluate(pipe: MiniSDPipeline, sets=SETS, count: int = 64, guidance_scale: f
         states = pipe.encode(captions)
         began = time.perf_counter()
         guides = None if steering is None else caption_guides(pipe.encoder, captions, pipe.spec.image_size)
-        out = pipe(captions, steps, guidance_scale, seeds=seeds, sampler=sampler, prompt_embeds=states, progress=progress,
-                   steering=steering, guides=guides)  # fmt: skip
+        out = pipe(
+            captions,
+            steps,
+            guidance_scale,
+            seeds=seeds,
+            sampler=sampler,
+            prompt_embeds=states,
+            progress=progress,
+            steering=steering,
+            guides=guides,
+        )
         timed["model"] += time.perf_counter() - began
         results["model"][name], verdicts = judge_images(out.images, set_scenes)
         ev.intervals[name] = accuracy_intervals(verdicts)
         ev.images[name], ev.verdicts[name] = out.images, [v.to_json() for v in verdicts]
         if steering is not None:
             began = time.perf_counter()
-            plain = pipe(captions, steps, guidance_scale, seeds=seeds, sampler=sampler, prompt_embeds=states,
-                         progress=progress)  # fmt: skip
+            plain = pipe(
+                captions, steps, guidance_scale, seeds=seeds, sampler=sampler, prompt_embeds=states, progress=progress
+            )
             timed["unsteered"] += time.perf_counter() - began
             results["unsteered"][name], plain_verdicts = judge_images(plain.images, set_scenes)
             ev.changed[name] = changed_by_steering(plain_verdicts, verdicts)
         if floors:
             empty = pipe.encode([""]).expand(len(captions), -1, -1)
-            blind = pipe(captions, steps, guidance_scale, seeds=seeds, sampler=sampler, prompt_embeds=empty, progress=progress)
+            blind = pipe(
+                captions, steps, guidance_scale, seeds=seeds, sampler=sampler, prompt_embeds=empty, progress=progress
+            )
             results["empty prompt"][name] = judge_images(blind.images, set_scenes)[0]
-            chance = untrained(captions, steps, guidance_scale, seeds=seeds, sampler=sampler, prompt_embeds=states,
-                               progress=progress)
+            chance = untrained(
+                captions, steps, guidance_scale, seeds=seeds, sampler=sampler, prompt_embeds=states, progress=progress
+            )
             results["untrained"][name] = judge_images(chance.images, set_scenes)[0]
     ev.seconds = time.perf_counter() - start
     images = max(sum(ev.counts.values()), 1)
@@ -176,18 +220,24 @@ def format_evaluation(ev: Evaluation) -> str:
             acc = by_set[name]
             label = "model, steered" if condition == "model" and ev.steering else condition
             rows.append([name if condition == "model" else "", label, ev.counts[name], *accuracy_cells(acc)])
-    title = (f"{ev.model}: judged accuracy, {ev.sampler} {ev.steps} steps, guidance {ev.guidance_scale:g} "
-             "(position: the cell for one object, left/right for a pair)")  # fmt: skip
+    title = (
+        f"{ev.model}: judged accuracy, {ev.sampler} {ev.steps} steps, guidance {ev.guidance_scale:g} "
+        "(position: the cell for one object, left/right for a pair)"
+    )
     if ev.steering:
         s = ev.steering
-        title += (f"\nsteered: {'+'.join(s['objectives'])}, scale {s['scale']:g}, the first {s['steps']} steps, maps at "
-                  f"{s['resolution']}x{s['resolution']}; beside it the same prompts and seeds unsteered")  # fmt: skip
+        title += (
+            f"\nsteered: {'+'.join(s['objectives'])}, scale {s['scale']:g}, the first {s['steps']} steps, maps at "
+            f"{s['resolution']}x{s['resolution']}; beside it the same prompts and seeds unsteered"
+        )
     out = [format_table(["set", "images from", "n", *HEADERS], rows, title=title)]
     out.append(f"\n{sum(ev.counts.values())} prompts per condition in {ev.seconds:.0f} s")
     if "unsteered" in ev.seconds_per_image:
         per = ev.seconds_per_image
-        out.append(f"time per image: steered {per['model']:.2f} s, unsteered {per['unsteered']:.2f} s "
-                   f"({per['model'] / max(per['unsteered'], 1e-9):.2f}x)")  # fmt: skip
+        out.append(
+            f"time per image: steered {per['model']:.2f} s, unsteered {per['unsteered']:.2f} s "
+            f"({per['model'] / max(per['unsteered'], 1e-9):.2f}x)"
+        )
     for name, changed in ev.changed.items():
         out.append(f"{name}, same prompts and seeds: steering fixed {changed['fixed']} and broke {changed['broken']}")
     return "\n".join(out)
@@ -213,12 +263,19 @@ def draw_panel(ev: Evaluation, path, per_set: int = 8) -> None:
             ax.imshow(ev.images[name][c], interpolation="nearest")
             marks = " ".join(f"{a[0]}{'+' if verdict[a] else '-'}" for a in ("colour", "position", "shape"))
             marks += f" {len(verdict['found'])} found" if verdict["extra"] else ""
-            ax.set_title(textwrap.fill(ev.scenes[name][c].caption, 24) + f"\n{marks}", fontsize=6.5,
-                         color="darkgreen" if verdict["all"] else "firebrick")  # fmt: skip
-        axes[r, 0].text(-0.15, 0.5, name, transform=axes[r, 0].transAxes, rotation=90, va="center", ha="right", fontsize=8)
-    fig.suptitle(f"{ev.model}: green = all correct (c colour, p position, s shape; 'found' when more objects than "
-                 f"named); guidance {ev.guidance_scale:g}",
-                 fontsize=9)  # fmt: skip
+            ax.set_title(
+                textwrap.fill(ev.scenes[name][c].caption, 24) + f"\n{marks}",
+                fontsize=6.5,
+                color="darkgreen" if verdict["all"] else "firebrick",
+            )
+        axes[r, 0].text(
+            -0.15, 0.5, name, transform=axes[r, 0].transAxes, rotation=90, va="center", ha="right", fontsize=8
+        )
+    fig.suptitle(
+        f"{ev.model}: green = all correct (c colour, p position, s shape; 'found' when more objects than "
+        f"named); guidance {ev.guidance_scale:g}",
+        fontsize=9,
+    )
     save_figure(fig, path)
 
 
@@ -244,8 +301,10 @@ def check_grid(captions: list[str]) -> None:
     """Refuse, before sampling, a grid too tall to draw."""
     rows = grid_places(captions)[0]
     if rows > MAX_GRID_ROWS:
-        raise SdkitError(f"a grid of {len(captions):,} images takes {rows:,} rows; a picture holds at most "
-                         f"{MAX_GRID_ROWS} (8 images to a row): ask for fewer seeds or prompts")  # fmt: skip
+        raise SdkitError(
+            f"a grid of {len(captions):,} images takes {rows:,} rows; a picture holds at most "
+            f"{MAX_GRID_ROWS} (8 images to a row): ask for fewer seeds or prompts"
+        )
 
 
 def sample_grid(images: np.ndarray, captions: list[str], seeds: list[int], path, title: str = "") -> None:
@@ -257,11 +316,14 @@ def sample_grid(images: np.ndarray, captions: list[str], seeds: list[int], path,
     import matplotlib.pyplot as plt
 
     if not len(images) == len(captions) == len(seeds) or not len(images):
-        raise SdkitError(f"a grid needs one caption and one seed per image: {len(images)} images, {len(captions)} "
-                         f"captions, {len(seeds)} seeds")  # fmt: skip
+        raise SdkitError(
+            f"a grid needs one caption and one seed per image: {len(images)} images, {len(captions)} "
+            f"captions, {len(seeds)} seeds"
+        )
     check_grid(captions)
     rows, cols, places = grid_places(captions)
-    fig, axes = plt.subplots(rows, cols, figsize=(1.9 * cols, 2.2 * rows), dpi=110, squeeze=False)
+    # constrained: the title takes its own room above the captions instead of printing over them
+    fig, axes = plt.subplots(rows, cols, figsize=(1.9 * cols, 2.2 * rows), dpi=110, squeeze=False, layout="constrained")
     for ax in axes.flat:
         ax.axis("off")
     for (r, c), image, caption, seed in zip(places, images, captions, seeds):

@@ -177,7 +177,7 @@ def find_objects(image: np.ndarray, max_objects: int | None = None) -> list[Foun
     distance = np.abs(hue[..., None] - centres)
     label = np.argmin(np.minimum(distance, 360 - distance), axis=-1)
     objects, smallest = [], min_object_pixels(*image.shape[:2])
-    for index, name in enumerate(names):
+    for index in range(len(names)):
         for component in _components(coloured & (label == index)):
             area = int(component.sum())
             if area < smallest:
@@ -191,8 +191,19 @@ def find_objects(image: np.ndarray, max_objects: int | None = None) -> list[Foun
             # The shape's box centre marks its cell: a triangle's centroid sits below its middle.
             my, mx = (ys.min() + ys.max() + 1) / 2, (xs.min() + xs.max() + 1) / 2
             row, column = (min(2, int(v * 3 / side)) for v in (my, mx))
-            objects.append(FoundObject(_nearest_colour(hue[component]), shape, row, column, (float(cy), float(cx)),
-                                       area, four_fold, skew, component))  # fmt: skip
+            objects.append(
+                FoundObject(
+                    _nearest_colour(hue[component]),
+                    shape,
+                    row,
+                    column,
+                    (float(cy), float(cx)),
+                    area,
+                    four_fold,
+                    skew,
+                    component,
+                )
+            )
     objects.sort(key=lambda o: -o.area)
     return objects[:max_objects] if max_objects is not None else objects
 
@@ -215,8 +226,14 @@ class Verdict:
         return self.colour and self.shape
 
     def to_json(self) -> dict:
-        return {"colour": self.colour, "position": self.position, "shape": self.shape, "extra": self.extra,
-                "all": self.all, "found": self.found}  # fmt: skip
+        return {
+            "colour": self.colour,
+            "position": self.position,
+            "shape": self.shape,
+            "extra": self.extra,
+            "all": self.all,
+            "found": self.found,
+        }
 
 
 def judge(image: np.ndarray, scene: Scene) -> Verdict:
@@ -234,8 +251,13 @@ def judge(image: np.ndarray, scene: Scene) -> Verdict:
         if not found:
             return Verdict(False, False, False, extra, shown)
         want, got = scene.objects[0], found[0]
-        return Verdict(got.colour == want.colour, (got.row, got.column) == (want.row, want.column),
-                       got.shape == want.shape, extra, shown)  # fmt: skip
+        return Verdict(
+            got.colour == want.colour,
+            (got.row, got.column) == (want.row, want.column),
+            got.shape == want.shape,
+            extra,
+            shown,
+        )
     if len(found) < 2:
         return Verdict(False, False, False, extra, shown)
     a, b = scene.objects
@@ -263,7 +285,9 @@ def accuracy(verdicts: list[Verdict]) -> dict[str, float | None]:
     objects than named; `bound`: with every named object there in its own colour and shape;
     `position_if_bound`: position over those (None when there are none)."""
     n = max(len(verdicts), 1)
-    out: dict[str, float | None] = {k: sum(getattr(v, k) for v in verdicts) / n for k in (*ATTRIBUTES, "extra", "bound")}
+    out: dict[str, float | None] = {
+        k: sum(getattr(v, k) for v in verdicts) / n for k in (*ATTRIBUTES, "extra", "bound")
+    }
     bound = [v for v in verdicts if v.bound]
     out["position_if_bound"] = sum(v.position for v in bound) / len(bound) if bound else None
     return out
@@ -274,8 +298,9 @@ def accuracy_cells(acc: dict) -> list[str]:
     return ["-" if acc.get(k) is None else f"{100 * acc[k]:.1f} %" for k in COLUMNS]
 
 
-def accuracy_intervals(verdicts: list[Verdict], samples: int = 2000, seed: int = 0,
-                       level: float = 0.95) -> dict[str, list[float]]:  # fmt: skip
+def accuracy_intervals(
+    verdicts: list[Verdict], samples: int = 2000, seed: int = 0, level: float = 0.95
+) -> dict[str, list[float]]:
     """Percentile bootstrap intervals of `accuracy` over the images (prompts) drawn with replacement."""
     table = np.array([[getattr(v, k) for k in (*ATTRIBUTES, "extra", "bound")] for v in verdicts], dtype=float)
     position = np.array([v.position for v in verdicts], dtype=float)
@@ -286,8 +311,10 @@ def accuracy_intervals(verdicts: list[Verdict], samples: int = 2000, seed: int =
     with np.errstate(invalid="ignore"):
         if_bound = (position[draws] * bound).sum(1) / bound.sum(1)  # NaN for a draw with nothing bound
     tail = 100 * (1 - level) / 2
-    out = {k: [float(np.percentile(means[:, i], tail)), float(np.percentile(means[:, i], 100 - tail))]
-           for i, k in enumerate((*ATTRIBUTES, "extra", "bound"))}  # fmt: skip
+    out = {
+        k: [float(np.percentile(means[:, i], tail)), float(np.percentile(means[:, i], 100 - tail))]
+        for i, k in enumerate((*ATTRIBUTES, "extra", "bound"))
+    }
     finite = if_bound[np.isfinite(if_bound)]
     if len(finite):
         out["position_if_bound"] = [float(np.percentile(finite, tail)), float(np.percentile(finite, 100 - tail))]

@@ -23,9 +23,9 @@ import numpy as np
 import torch
 
 from ..common import format_table
-from ..trace import CrossAttentionTrace
 from ..encoders import token_roles
 from ..localization import _noised, object_words
+from ..trace import CrossAttentionTrace
 from .data import to_model
 from .judge import find_objects, judge
 
@@ -72,8 +72,19 @@ def _relation_positions(roles, relation: str) -> list[int]:
 
 
 @torch.no_grad()
-def measure(pipe, images: np.ndarray, scenes, masks, timesteps=TIMESTEPS, verdicts=None, model_name: str = "model",
-            source: str = "generator", seed: int = 0, batch: int = 32, progress=None) -> Leakage:  # fmt: skip
+def measure(
+    pipe,
+    images: np.ndarray,
+    scenes,
+    masks,
+    timesteps=TIMESTEPS,
+    verdicts=None,
+    model_name: str = "model",
+    source: str = "generator",
+    seed: int = 0,
+    batch: int = 32,
+    progress=None,
+) -> Leakage:
     """Leakage per layer and timestep on pair images (H, W, 3) in [0, 1]; masks[i]: the two objects'
     masks (or None to skip image i). With `verdicts`, the split by the judge's verdict."""
     start = time.perf_counter()
@@ -96,8 +107,13 @@ def measure(pipe, images: np.ndarray, scenes, masks, timesteps=TIMESTEPS, verdic
                 words = object_words(roles[j], scene.objects)
                 relation = _relation_positions(roles[j], scene.relation)
                 for layer in [*trace.layers, "all layers"]:
-                    maps = trace.token_maps(item=j, layers=None if layer == "all layers" else [layer], timesteps=[t],
-                                            size=(side, side)).double().numpy()  # fmt: skip
+                    maps = (
+                        trace.token_maps(
+                            item=j, layers=None if layer == "all layers" else [layer], timesteps=[t], size=(side, side)
+                        )
+                        .double()
+                        .numpy()
+                    )
                     for w in words:
                         word_map = maps[w["positions"]].sum(0)
                         own, other = (float((word_map * own_masks[k]).sum()) for k in (w["object"], 1 - w["object"]))
@@ -142,8 +158,12 @@ def _split_by_verdict(report: Leakage, per_image, verdicts, keep, layers, timest
     bound = {i for i, v in zip(keep, verdicts) if v.shape and v.colour}
     wrong = {i for i, v in zip(keep, verdicts) if v.bound and not v.position}
     right = {i for i, v in zip(keep, verdicts) if v.bound and v.position}
-    report.groups = {"bound": len(bound), "swapped": len(swapped), "relation right": len(right),
-                     "relation wrong": len(wrong)}  # fmt: skip
+    report.groups = {
+        "bound": len(bound),
+        "swapped": len(swapped),
+        "relation right": len(right),
+        "relation wrong": len(wrong),
+    }
     for layer in layers:
         for t in timesteps:
             row = {"layer": layer, "timestep": t}
@@ -166,24 +186,43 @@ def format_leakage(report: Leakage, top: int = 5) -> str:
         return "-" if v is None else f"{v:.3f}"
 
     everything = [r for r in report.rows if r["layer"] == "all layers"]
-    out = [format_table(["t", "colour word", "shape word", "relation: share on the left object"],
-                        [[r["timestep"], cell(r["colour"]), cell(r["shape"]), cell(r["relation"])] for r in everything],
-                        title=f"{report.model}: attention leakage onto the other object, {report.source} pair images "
-                              f"(n = {report.images}; all layers; 0 own, 0.5 either, 1 the other)")]  # fmt: skip
+    out = [
+        format_table(
+            ["t", "colour word", "shape word", "relation: share on the left object"],
+            [[r["timestep"], cell(r["colour"]), cell(r["shape"]), cell(r["relation"])] for r in everything],
+            title=f"{report.model}: attention leakage onto the other object, {report.source} pair images "
+            f"(n = {report.images}; all layers; 0 own, 0.5 either, 1 the other)",
+        )
+    ]
     layers = [r for r in report.rows if r["layer"] != "all layers" and r["colour"] is not None]
     if layers:
         best = sorted(layers, key=lambda r: r["colour"])[:top]
-        out.append("\nLeast leakage of colour words: " + "; ".join(f"{r['layer'].split('.transformer')[0]} t={r['timestep']} "
-                                                                  f"{r['colour']:.3f}" for r in best[:3]))  # fmt: skip
+        out.append(
+            "\nLeast leakage of colour words: "
+            + "; ".join(f"{r['layer'].split('.transformer')[0]} t={r['timestep']} {r['colour']:.3f}" for r in best[:3])
+        )
     if report.by_verdict:
         scored = [r for r in report.by_verdict if r["layer"] != "all layers" and r["colour AUC"] is not None]
         rows = sorted(scored, key=lambda r: -abs(r["colour AUC"] - 0.5))[:top]
         out.append("")
-        out.append(format_table(["layer", "t", "colour leak. bound", "colour leak. swapped", "AUC", "relation AUC"],
-                                [[r["layer"].split(".transformer")[0], r["timestep"], cell(r["colour leakage, bound"]),
-                                  cell(r["colour leakage, swapped"]), cell(r["colour AUC"]), cell(r["relation AUC"])]
-                                 for r in rows],
-                                title="Where the verdicts differ (generated images; groups: "
-                                      + ", ".join(f"{k} {v}" for k, v in report.groups.items()) + ")"))  # fmt: skip
+        out.append(
+            format_table(
+                ["layer", "t", "colour leak. bound", "colour leak. swapped", "AUC", "relation AUC"],
+                [
+                    [
+                        r["layer"].split(".transformer")[0],
+                        r["timestep"],
+                        cell(r["colour leakage, bound"]),
+                        cell(r["colour leakage, swapped"]),
+                        cell(r["colour AUC"]),
+                        cell(r["relation AUC"]),
+                    ]
+                    for r in rows
+                ],
+                title="Where the verdicts differ (generated images; groups: "
+                + ", ".join(f"{k} {v}" for k, v in report.groups.items())
+                + ")",
+            )
+        )
     out.append(f"({report.seconds:.0f} s)")
     return "\n".join(out)

@@ -35,9 +35,15 @@ DEFAULT_ENCODERS_DIR = "weights/encoders"
 # SD 1.x's training schedule (and, as SD, no clipping of the predicted image: with guidance, DDIM's
 # clipped x0 turns the guided noise estimate into noise). "trailing" spacing starts sampling at the
 # last trained timestep, where the noise is.
-SCHEDULER_CONFIG = {"num_train_timesteps": 1000, "beta_schedule": "scaled_linear", "beta_start": 0.00085,
-                    "beta_end": 0.012, "prediction_type": "epsilon", "clip_sample": False,
-                    "timestep_spacing": "trailing"}  # fmt: skip
+SCHEDULER_CONFIG = {
+    "num_train_timesteps": 1000,
+    "beta_schedule": "scaled_linear",
+    "beta_start": 0.00085,
+    "beta_end": 0.012,
+    "prediction_type": "epsilon",
+    "clip_sample": False,
+    "timestep_spacing": "trailing",
+}
 
 
 @dataclass
@@ -80,7 +86,11 @@ class MiniSDSpec:
         def whole(value, least: int) -> bool:
             return type(value) is int and value >= least
 
-        if not isinstance(self.text_encoder, str) or not self.text_encoder or Path(self.text_encoder).name != self.text_encoder:
+        if (
+            not isinstance(self.text_encoder, str)
+            or not self.text_encoder
+            or Path(self.text_encoder).name != self.text_encoder
+        ):
             return f"text_encoder must be a folder name, not {self.text_encoder!r}"
         if self.layer not in LAYERS:
             return f"layer must be one of {', '.join(LAYERS)}, not {self.layer!r}"
@@ -112,13 +122,17 @@ class MiniSDSpec:
         spec's (pixels, and coordinate channels where it has them)."""
         config = unet.config
         if config.sample_size != self.image_size:
-            raise SdkitError(f"{source}: unet/config.json sample_size {config.sample_size!r} is not {SPEC_FILE}'s "
-                             f"image_size {self.image_size}")  # fmt: skip
+            raise SdkitError(
+                f"{source}: unet/config.json sample_size {config.sample_size!r} is not {SPEC_FILE}'s "
+                f"image_size {self.image_size}"
+            )
         channels = 3 + (2 if self.coordinates else 0)
         if config.out_channels != 3 or config.in_channels != channels:
-            raise SdkitError(f"{source}: the U-Net reads {config.in_channels} and writes {config.out_channels} channels; "
-                             f"{SPEC_FILE} needs {channels} in (RGB{' and 2 coordinates' if self.coordinates else ''}) "
-                             "and 3 out")  # fmt: skip
+            raise SdkitError(
+                f"{source}: the U-Net reads {config.in_channels} and writes {config.out_channels} channels; "
+                f"{SPEC_FILE} needs {channels} in (RGB{' and 2 coordinates' if self.coordinates else ''}) "
+                "and 3 out"
+            )
 
     def checkpoint_note(self) -> str | None:
         """For the weights a run in progress saved (`--checkpoints DIR` writes them to DIR/model),
@@ -164,8 +178,12 @@ def pool_states(states: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
     return (states * weights).sum(1, keepdim=True) / weights.sum(1, keepdim=True).clamp_min(1)
 
 
-def find_text_encoder(spec: MiniSDSpec, text_encoder: str | os.PathLike | None = None,
-                      encoders_dir: str | os.PathLike = DEFAULT_ENCODERS_DIR, allow_pickle: bool = False) -> TextEncoder:  # fmt: skip
+def find_text_encoder(
+    spec: MiniSDSpec,
+    text_encoder: str | os.PathLike | None = None,
+    encoders_dir: str | os.PathLike = DEFAULT_ENCODERS_DIR,
+    allow_pickle: bool = False,
+) -> TextEncoder:
     """The encoder a mini SD reads: `text_encoder` if given, else encoders_dir / spec.text_encoder."""
     from ..encoders import load_text_encoder
 
@@ -174,8 +192,10 @@ def find_text_encoder(spec: MiniSDSpec, text_encoder: str | os.PathLike | None =
     else:
         folder = Path(encoders_dir) / spec.text_encoder
         if not (folder / "config.json").is_file():
-            raise SdkitError(f"{folder}: the mini SD reads {spec.text_encoder}, which is not there; "
-                             "python scripts/get_real_encoders.py puts it in weights/encoders")  # fmt: skip
+            raise SdkitError(
+                f"{folder}: the mini SD reads {spec.text_encoder}, which is not there; "
+                "python scripts/get_real_encoders.py puts it in weights/encoders"
+            )
     encoder = load_text_encoder(folder, layer=spec.layer, context_length=spec.max_length, allow_pickle=allow_pickle)
     if encoder.max_length != spec.max_length:
         raise SdkitError(f"{folder}: reads at most {encoder.max_length} tokens, the model {spec.max_length}")
@@ -195,21 +215,28 @@ def read_scheduler_config(folder: str | os.PathLike) -> dict:
         raise SdkitError(f"{path}: the scheduler config is not a JSON object")
     steps = config.get("num_train_timesteps", 1000)
     if type(steps) is not int or not 2 <= steps <= MAX_TRAIN_TIMESTEPS:
-        raise SdkitError(f"{path}: num_train_timesteps must be a whole number from 2 to {MAX_TRAIN_TIMESTEPS:,}, "
-                         f"not {steps!r}")  # fmt: skip
+        raise SdkitError(
+            f"{path}: num_train_timesteps must be a whole number from 2 to {MAX_TRAIN_TIMESTEPS:,}, not {steps!r}"
+        )
     if config.get("prediction_type", "epsilon") not in PREDICTION_TYPES:
-        raise SdkitError(f"{path}: prediction_type must be one of {', '.join(PREDICTION_TYPES)}, "
-                         f"not {config.get('prediction_type')!r}")  # fmt: skip
+        raise SdkitError(
+            f"{path}: prediction_type must be one of {', '.join(PREDICTION_TYPES)}, "
+            f"not {config.get('prediction_type')!r}"
+        )
     try:
         betas = DDPMScheduler.from_config(config).betas
     except Exception as e:  # diffusers raises NotImplementedError, ValueError, ...: all mean a bad config
         raise SdkitError(f"{path}: not a usable scheduler config ({first_line(e)})") from None
     # each step keeps part of the signal and adds some noise: 0 < beta < 1 (zero terminal SNR's last is 1)
     if not (torch.isfinite(betas).all() and (betas > 0).all() and (betas <= 1).all()):
-        span = f"run from {float(betas.min()):.4g} to {float(betas.max()):.4g}" if torch.isfinite(betas).all() else \
-            "are not all finite"  # fmt: skip
-        raise SdkitError(f"{path}: the noise schedule's betas must lie in (0, 1]; these {span} (check beta_start "
-                         "and beta_end)")  # fmt: skip
+        span = (
+            f"run from {float(betas.min()):.4g} to {float(betas.max()):.4g}"
+            if torch.isfinite(betas).all()
+            else "are not all finite"
+        )
+        raise SdkitError(
+            f"{path}: the noise schedule's betas must lie in (0, 1]; these {span} (check beta_start and beta_end)"
+        )
     return config
 
 
@@ -223,8 +250,10 @@ def check_images_fit(count: int, side: int, what: str) -> None:
     need = count * side * side * KEPT_BYTES_PER_PIXEL
     free = available_memory()
     if need > free:
-        raise SdkitError(f"{what} {count:,} images of {side}x{side} keeps at least {format_bytes(need)} in memory; "
-                         f"{format_bytes(free)} is free (ask for fewer images)")  # fmt: skip
+        raise SdkitError(
+            f"{what} {count:,} images of {side}x{side} keeps at least {format_bytes(need)} in memory; "
+            f"{format_bytes(free)} is free (ask for fewer images)"
+        )
 
 
 @dataclass
@@ -246,9 +275,13 @@ class MiniSDPipeline:
             add_place_embeddings(unet, spec.image_size)
 
     @classmethod
-    def from_pretrained(cls, folder: str | os.PathLike, text_encoder: str | os.PathLike | None = None,
-                        encoders_dir: str | os.PathLike = DEFAULT_ENCODERS_DIR,
-                        allow_pickle: bool = False) -> MiniSDPipeline:  # fmt: skip
+    def from_pretrained(
+        cls,
+        folder: str | os.PathLike,
+        text_encoder: str | os.PathLike | None = None,
+        encoders_dir: str | os.PathLike = DEFAULT_ENCODERS_DIR,
+        allow_pickle: bool = False,
+    ) -> MiniSDPipeline:
         from ..loading import load_unet
 
         spec = MiniSDSpec.read(folder)
@@ -256,8 +289,10 @@ class MiniSDPipeline:
         spec.check_unet(unet, str(folder))
         encoder = find_text_encoder(spec, text_encoder, encoders_dir, allow_pickle)
         if encoder.width != unet.config.cross_attention_dim:
-            raise SdkitError(f"{folder}: the U-Net reads {unet.config.cross_attention_dim}-wide token states, "
-                             f"{encoder.source} gives {encoder.width}-wide ones")  # fmt: skip
+            raise SdkitError(
+                f"{folder}: the U-Net reads {unet.config.cross_attention_dim}-wide token states, "
+                f"{encoder.source} gives {encoder.width}-wide ones"
+            )
         return cls(unet, read_scheduler_config(folder), spec, encoder)
 
     def save_pretrained(self, folder: str | os.PathLike) -> None:
@@ -289,11 +324,23 @@ class MiniSDPipeline:
             raise SdkitError(f"unknown sampler {name!r}; choose one of {', '.join(classes)}")
         return classes[name].from_config(self.scheduler_config)
 
-    def __call__(self, prompt: str | list[str] | None = None, num_inference_steps: int = 25,
-                 guidance_scale: float = 4.0, generator=None, seeds: list[int] | None = None, sampler: str = "ddim",
-                 prompt_embeds: torch.Tensor | None = None, negative_prompt_embeds: torch.Tensor | None = None,
-                 output_type: str = "np", steering=None, guides: list | None = None, batch_size: int = 64,
-                 progress=None, callback_on_step_end=None) -> MiniSDOutput:  # fmt: skip
+    def __call__(
+        self,
+        prompt: str | list[str] | None = None,
+        num_inference_steps: int = 25,
+        guidance_scale: float = 4.0,
+        generator=None,
+        seeds: list[int] | None = None,
+        sampler: str = "ddim",
+        prompt_embeds: torch.Tensor | None = None,
+        negative_prompt_embeds: torch.Tensor | None = None,
+        output_type: str = "np",
+        steering=None,
+        guides: list | None = None,
+        batch_size: int = 64,
+        progress=None,
+        callback_on_step_end=None,
+    ) -> MiniSDOutput:
         """Generate one image per prompt (or per row of prompt_embeds), with diffusers' argument names.
 
         The starting noise of image i comes from seeds[i] (so any image can be made again alone), or
@@ -312,7 +359,9 @@ class MiniSDPipeline:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise SdkitError(f"{name} must be a whole number of at least 1, not {value!r}")
         if not 1 <= steps <= trained:
-            raise SdkitError(f"sampling steps must be 1 to {trained} (the timesteps the model was trained on), not {steps}")
+            raise SdkitError(
+                f"sampling steps must be 1 to {trained} (the timesteps the model was trained on), not {steps}"
+            )
         if output_type not in ("np", "pt", "pil"):
             raise SdkitError(f"output_type must be 'np', 'pt' or 'pil', not {output_type!r}")
         prompts = [prompt] if isinstance(prompt, str) else prompt
@@ -333,14 +382,18 @@ class MiniSDPipeline:
         if steering is not None and (guides is None or len(guides) != n):
             raise SdkitError(f"steering needs one guide per image ({n}), not {0 if guides is None else len(guides)}")
         if negative_prompt_embeds is None:
-            negative_prompt_embeds = self.encode([""]) if self.encoder is not None else torch.zeros_like(prompt_embeds[:1])
+            negative_prompt_embeds = (
+                self.encode([""]) if self.encoder is not None else torch.zeros_like(prompt_embeds[:1])
+            )
         width = self.unet.config.cross_attention_dim
         for name, states in (("prompt_embeds", prompt_embeds), ("negative_prompt_embeds", negative_prompt_embeds)):
             if states.ndim != 3 or states.shape[-1] != width:
                 raise SdkitError(f"{name} must be (batch, tokens, {width}), not {list(states.shape)}")
         if len(negative_prompt_embeds) not in (1, n):
-            raise SdkitError(f"negative_prompt_embeds holds {len(negative_prompt_embeds)} rows; give one for all "
-                             f"images or one per image ({n})")  # fmt: skip
+            raise SdkitError(
+                f"negative_prompt_embeds holds {len(negative_prompt_embeds)} rows; give one for all "
+                f"images or one per image ({n})"
+            )
         if steering is not None:
             from ..steering import check_guides
 
@@ -349,10 +402,23 @@ class MiniSDPipeline:
         for start in range(0, n, batch_size):
             stop = min(start + batch_size, n)
             part = None if steering is None else guides[start:stop]
-            on_step = None if callback_on_step_end is None else \
-                lambda i, t, sample, prediction, start=start: callback_on_step_end(i, t, start, sample, prediction)
-            pixels, steered = self._generate(prompt_embeds[start:stop], negative_prompt_embeds, noise[start:stop],
-                                             guidance_scale, steps, sampler, steering, part, progress, on_step)  # fmt: skip
+            on_step = (
+                None
+                if callback_on_step_end is None
+                else lambda i, t, sample, prediction, start=start: callback_on_step_end(i, t, start, sample, prediction)
+            )
+            pixels, steered = self._generate(
+                prompt_embeds[start:stop],
+                negative_prompt_embeds,
+                noise[start:stop],
+                guidance_scale,
+                steps,
+                sampler,
+                steering,
+                part,
+                progress,
+                on_step,
+            )
             images.append(pixels)
             losses += [[step, start + image, loss] for step, image, loss in steered]
         pixels = torch.cat(images)
@@ -384,8 +450,9 @@ class MiniSDPipeline:
         # One batch for both halves when they are the same length (as diffusers does); two calls
         # otherwise, since padding either with extra tokens would change what the cells read.
         if negative.shape[1] == states.shape[1]:
-            both = self.unet(torch.cat([model_input, model_input]), timestep,
-                             encoder_hidden_states=torch.cat([negative, states])).sample  # fmt: skip
+            both = self.unet(
+                torch.cat([model_input, model_input]), timestep, encoder_hidden_states=torch.cat([negative, states])
+            ).sample
             uncond, prediction = both.chunk(2)
         else:
             uncond = self.unet(model_input, timestep, encoder_hidden_states=negative).sample
@@ -393,8 +460,19 @@ class MiniSDPipeline:
         return uncond + guidance_scale * (prediction - uncond)
 
     @torch.no_grad()
-    def _generate(self, states, negative, noise, guidance_scale, steps, sampler, steering=None, guides=None,
-                  progress=None, on_step=None):  # fmt: skip
+    def _generate(
+        self,
+        states,
+        negative,
+        noise,
+        guidance_scale,
+        steps,
+        sampler,
+        steering=None,
+        guides=None,
+        progress=None,
+        on_step=None,
+    ):
         """(pixels (batch, 3, H, W) in [-1, 1], the steering losses of this batch). `progress` moves on
         by the batch's images over the steps at each step: a batch of 64 images takes minutes."""
         param = next(self.unet.parameters())
@@ -421,8 +499,10 @@ class MiniSDPipeline:
                 progress.update((done - moved) / 1024)
                 moved = done
         if not sample.isfinite().all():
-            raise SdkitError(f"sampling gave non-finite pixels (guidance scale {guidance_scale:g}, {steps} steps): the "
-                             "guided noise prediction overflowed; use a guidance scale nearer the trained range (1-10)")  # fmt: skip
+            raise SdkitError(
+                f"sampling gave non-finite pixels (guidance scale {guidance_scale:g}, {steps} steps): the "
+                "guided noise prediction overflowed; use a guidance scale nearer the trained range (1-10)"
+            )
         return sample.float().cpu(), (steerer.losses if steering is not None else [])
 
 

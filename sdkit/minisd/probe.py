@@ -52,8 +52,14 @@ class ProbeExamples:
 def pair_captions() -> list:
     """Every pair scene the generator can caption: ordered objects x relation x template."""
     objects = [(c, s) for c in COLOURS for s in SHAPES]
-    return [pair_scene(first, relation, second, template=t) for first in objects for second in objects
-            if first != second for relation in RELATIONS for t in range(4)]  # fmt: skip
+    return [
+        pair_scene(first, relation, second, template=t)
+        for first in objects
+        for second in objects
+        if first != second
+        for relation in RELATIONS
+        for t in range(4)
+    ]
 
 
 def probe_examples(encoder: TextEncoder, scenes, batch_size: int = 256) -> ProbeExamples:
@@ -79,8 +85,9 @@ def probe_examples(encoder: TextEncoder, scenes, batch_size: int = 256) -> Probe
                 is_first = found["object"] == 0
                 left.append(int(is_first == (scene.relation == "left of")))
                 pair.append(frozenset((o.colour, o.shape) for o in scene.objects))
-    return ProbeExamples(torch.stack(contextual), torch.stack(embedding), word, torch.tensor(colour),
-                         torch.tensor(left), pair)  # fmt: skip
+    return ProbeExamples(
+        torch.stack(contextual), torch.stack(embedding), word, torch.tensor(colour), torch.tensor(left), pair
+    )
 
 
 def fit_probe(x: torch.Tensor, y: torch.Tensor, classes: int, weight_decay: float = 1e-2, steps: int = 200) -> tuple:
@@ -136,8 +143,13 @@ def run_probe(encoder: TextEncoder, test_fraction: float = 0.3, seed: int = 0) -
         for target in TARGETS:
             y = data.colour if target == "colour" else data.left
             classes = len(COLOURS) if target == "colour" else 2
-            entry = {"word": word, "target": target, "train": int(train.sum()), "test": int(test.sum()),
-                     "chance": float(y[test].bincount(minlength=classes).max() / test.sum())}  # fmt: skip
+            entry = {
+                "word": word,
+                "target": target,
+                "train": int(train.sum()),
+                "test": int(test.sum()),
+                "chance": float(y[test].bincount(minlength=classes).max() / test.sum()),
+            }
             for name, x in (("contextual", data.contextual), ("input embedding", data.embedding)):
                 model = fit_probe(x[train], y[train], classes)
                 entry[name] = probe_accuracy(model, x[test], y[test])
@@ -177,8 +189,14 @@ def layout_labels(scenes) -> torch.Tensor:
     for scene in scenes:
         a, b = scene.objects
         left, right = (a, b) if scene.relation == "left of" else (b, a)
-        labels.append([list(COLOURS).index(left.colour), list(COLOURS).index(right.colour),
-                       SHAPES.index(left.shape), SHAPES.index(right.shape)])  # fmt: skip
+        labels.append(
+            [
+                list(COLOURS).index(left.colour),
+                list(COLOURS).index(right.colour),
+                SHAPES.index(left.shape),
+                SHAPES.index(right.shape),
+            ]
+        )
     return torch.tensor(labels)
 
 
@@ -190,8 +208,14 @@ def layout_accuracy(reader: LayoutReader, states: torch.Tensor, real: torch.Tens
     return float((torch.cat([colours, shapes], 1) == labels).all(1).float().mean())
 
 
-def fit_layout_reader(states: torch.Tensor, real: torch.Tensor, labels: torch.Tensor, steps: int = 1500,
-                      batch_size: int = 64, seed: int = 0) -> LayoutReader:  # fmt: skip
+def fit_layout_reader(
+    states: torch.Tensor,
+    real: torch.Tensor,
+    labels: torch.Tensor,
+    steps: int = 1500,
+    batch_size: int = 64,
+    seed: int = 0,
+) -> LayoutReader:
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     reader = LayoutReader(states.shape[-1])
@@ -199,8 +223,9 @@ def fit_layout_reader(states: torch.Tensor, real: torch.Tensor, labels: torch.Te
     for _ in range(steps):
         rows = torch.randint(0, len(states), (batch_size,), generator=generator)
         logits, y = reader(states[rows], real[rows]), labels[rows]
-        loss = F.cross_entropy(logits[..., : len(COLOURS)].reshape(-1, len(COLOURS)), y[:, :2].reshape(-1)) + \
-            F.cross_entropy(logits[..., len(COLOURS) :].reshape(-1, len(SHAPES)), y[:, 2:].reshape(-1))  # fmt: skip
+        loss = F.cross_entropy(
+            logits[..., : len(COLOURS)].reshape(-1, len(COLOURS)), y[:, :2].reshape(-1)
+        ) + F.cross_entropy(logits[..., len(COLOURS) :].reshape(-1, len(SHAPES)), y[:, 2:].reshape(-1))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -212,14 +237,21 @@ def layout_probe(encoder: TextEncoder, scenes, test_pairs: set, batch_size: int 
     table = encoder.model.get_input_embeddings().weight.detach().float()
     captions = [s.caption for s in scenes]
     real = torch.cat([encoder.real_mask(captions[i : i + batch_size]) for i in range(0, len(captions), batch_size)])
-    contextual = torch.cat([encoder.encode(captions[i : i + batch_size]).float() for i in range(0, len(captions), batch_size)])
+    contextual = torch.cat(
+        [encoder.encode(captions[i : i + batch_size]).float() for i in range(0, len(captions), batch_size)]
+    )
     ids = encoder.tokenize(captions)["input_ids"]
     embedding = table[ids] * real[..., None]
     labels = layout_labels(scenes)
     test = torch.tensor([frozenset((o.colour, o.shape) for o in s.objects) in test_pairs for s in scenes])
     combos = labels[test].unique(dim=0, return_counts=True)[1]
-    entry = {"word": "caption", "target": "layout", "train": int((~test).sum()), "test": int(test.sum()),
-             "chance": float(combos.max() / test.sum())}  # fmt: skip
+    entry = {
+        "word": "caption",
+        "target": "layout",
+        "train": int((~test).sum()),
+        "test": int(test.sum()),
+        "chance": float(combos.max() / test.sum()),
+    }
     for name, x in (("contextual", contextual), ("input embedding", embedding)):
         reader = fit_layout_reader(x[~test], real[~test], labels[~test])
         entry[name] = layout_accuracy(reader, x[test], real[test], labels[test])
@@ -227,23 +259,36 @@ def layout_probe(encoder: TextEncoder, scenes, test_pairs: set, batch_size: int 
     return entry
 
 
-QUESTIONS = {("colour", "colour"): "its own colour, from the colour word (the word itself)",
-             ("shape", "colour"): "its own colour, from the shape word (binding)",
-             ("colour", "left"): "whether it is the left one, from the colour word (the relation)",
-             ("shape", "left"): "whether it is the left one, from the shape word (the relation)",
-             ("caption", "layout"): "which object is left and which right, from the caption, by one "
-                                    "cross-attention from two place queries (the layout)"}  # fmt: skip
+QUESTIONS = {
+    ("colour", "colour"): "its own colour, from the colour word (the word itself)",
+    ("shape", "colour"): "its own colour, from the shape word (binding)",
+    ("colour", "left"): "whether it is the left one, from the colour word (the relation)",
+    ("shape", "left"): "whether it is the left one, from the shape word (the relation)",
+    ("caption", "layout"): "which object is left and which right, from the caption, by one "
+    "cross-attention from two place queries (the layout)",
+}
 
 
 def format_probe(reports: list[ProbeReport]) -> str:
     rows = []
     for r in reports:
         for e in r.rows:
-            rows.append([r.encoder.rstrip("/").split("/")[-1], r.layer, QUESTIONS[(e["word"], e["target"])],
-                         f"{100 * e['contextual']:.1f} %", f"{100 * e['input embedding']:.1f} %",
-                         f"{100 * e['chance']:.1f} %", e["test"]])  # fmt: skip
+            rows.append(
+                [
+                    r.encoder.rstrip("/").split("/")[-1],
+                    r.layer,
+                    QUESTIONS[(e["word"], e["target"])],
+                    f"{100 * e['contextual']:.1f} %",
+                    f"{100 * e['input embedding']:.1f} %",
+                    f"{100 * e['chance']:.1f} %",
+                    e["test"],
+                ]
+            )
     first = reports[0]
-    title = (f"Linear probes of the token states for pair captions: read off one object's word, tested on "
-             f"{first.test_pairs} object pairs\nnever seen in training ({first.train_pairs} pairs train)")
-    return format_table(["encoder", "layer", "what the probe reads", "states", "input embedding", "chance", "n"], rows,
-                        title=title)  # fmt: skip
+    title = (
+        f"Linear probes of the token states for pair captions: read off one object's word, tested on "
+        f"{first.test_pairs} object pairs\nnever seen in training ({first.train_pairs} pairs train)"
+    )
+    return format_table(
+        ["encoder", "layer", "what the probe reads", "states", "input embedding", "chance", "n"], rows, title=title
+    )

@@ -23,8 +23,10 @@ def region(scene: Scene, index: int, side: int) -> torch.Tensor:
     mask = torch.zeros(side, side)
     obj = scene.objects[index]
     if len(scene.objects) == 1:
-        rows, columns = slice(obj.row * side // 3, (obj.row + 1) * side // 3), slice(obj.column * side // 3,
-                                                                                    (obj.column + 1) * side // 3)
+        rows, columns = (
+            slice(obj.row * side // 3, (obj.row + 1) * side // 3),
+            slice(obj.column * side // 3, (obj.column + 1) * side // 3),
+        )
         mask[rows, columns] = 1
         return mask
     is_left = (index == 0) == (scene.relation == "left of")
@@ -40,10 +42,12 @@ def caption_guide(encoder: TextEncoder, scene: Scene, side: int) -> Guide:
     shape = {w["object"]: w["positions"] for w in words if w["kind"] == "shape"}
     objects = range(len(scene.objects))
     last = max(i for i, role in enumerate(roles.roles) if role == "word")
-    return Guide(excite=[shape[k] for k in objects],
-                 bind=[(colour[k], shape[k], [shape[j] for j in objects if j != k]) for k in objects],
-                 layout=[(colour[k] + shape[k], region(scene, k, side)) for k in objects],
-                 text=slice(1, last + 1))  # fmt: skip
+    return Guide(
+        excite=[shape[k] for k in objects],
+        bind=[(colour[k], shape[k], [shape[j] for j in objects if j != k]) for k in objects],
+        layout=[(colour[k] + shape[k], region(scene, k, side)) for k in objects],
+        text=slice(1, last + 1),
+    )
 
 
 def caption_guides(encoder: TextEncoder, captions: list[str], side: int) -> list[Guide]:
@@ -52,7 +56,9 @@ def caption_guides(encoder: TextEncoder, captions: list[str], side: int) -> list
     for caption in captions:
         scene = parse_caption(caption)
         if scene is None:
-            raise SdkitError(f"steering the mini SD needs captions its generator writes (e.g. 'a red circle to the "
-                             f"left of a blue square'), not {caption!r}")  # fmt: skip
+            raise SdkitError(
+                f"steering the mini SD needs captions its generator writes (e.g. 'a red circle to the "
+                f"left of a blue square'), not {caption!r}"
+            )
         guides.append(caption_guide(encoder, scene, side))
     return guides

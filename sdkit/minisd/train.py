@@ -31,14 +31,29 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..common import (MODEL_FOLDER, SdkitError, atomic_path, available_memory, check_output, check_output_folder,
-                      format_bytes)
+from ..common import (
+    MODEL_FOLDER,
+    SdkitError,
+    atomic_path,
+    available_memory,
+    check_output,
+    check_output_folder,
+    format_bytes,
+)
 from ..encoders import TextEncoder, encoder_fingerprint
+from ..geometry import halved
 from . import LR_SCHEDULES, PRECISIONS
 from .data import all_captions, parse_caption, sample_at, to_model
-from ..geometry import halved
-from .pipeline import (CONDITIONINGS, MAX_IMAGE_SIZE, SCHEDULER_CONFIG, MiniSDPipeline, MiniSDSpec, add_coordinates,
-                       add_place_embeddings, pool_states)  # fmt: skip
+from .pipeline import (
+    CONDITIONINGS,
+    MAX_IMAGE_SIZE,
+    SCHEDULER_CONFIG,
+    MiniSDPipeline,
+    MiniSDSpec,
+    add_coordinates,
+    add_place_embeddings,
+    pool_states,
+)
 
 CHECKPOINT = "checkpoint.safetensors"
 IN_PROGRESS = "model"  # beside the checkpoint: its EMA weights as a mini SD folder
@@ -67,7 +82,9 @@ class TrainSettings:
     context_length: int = 24
     conditioning: str = "tokens"  # or "pooled": the mean token state, one key/value
     coordinates: bool = False  # x and y channels at the U-Net's input (a departure from SD 1.x; see MiniSDSpec)
-    place_embeddings: bool = True  # sinusoidal places before each transformer block's attention (a departure; see MiniSDSpec)
+    place_embeddings: bool = (
+        True  # sinusoidal places before each transformer block's attention (a departure; see MiniSDSpec)
+    )
     # Weight of the grounding loss (see grounding_loss): each object's words made to attend to its
     # mask, TokenCompose's token loss. A departure from SD's recipe, which has no masks to do it; 0: off.
     grounding_weight: float = 0.0
@@ -113,8 +130,19 @@ class TrainSettings:
         for name in ("steps", "batch_size", "image_size", "context_length"):
             if getattr(self, name) <= 0:
                 raise SdkitError(f"{name} must be positive, not {getattr(self, name)}")
-        for name in ("lr", "weight_decay", "max_grad_norm", "snr_gamma", "x0_weight_floor", "empty_fraction",
-                     "pair_fraction", "grounding_weight", "relation_weight", "swap_fraction", "timestep_bias"):
+        for name in (
+            "lr",
+            "weight_decay",
+            "max_grad_norm",
+            "snr_gamma",
+            "x0_weight_floor",
+            "empty_fraction",
+            "pair_fraction",
+            "grounding_weight",
+            "relation_weight",
+            "swap_fraction",
+            "timestep_bias",
+        ):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise SdkitError(f"{name} must be a finite number >= 0, not {value}")
@@ -123,8 +151,9 @@ class TrainSettings:
         if self.lr > 1:  # AdamW moves each weight by about lr a step: past 1, by more than its scale
             raise SdkitError(f"lr must be at most 1, not {self.lr:g}")
         if not 12 <= self.image_size <= MAX_IMAGE_SIZE:
-            raise SdkitError(f"image_size must be 12 (a 3x3 grid of objects) to {MAX_IMAGE_SIZE} pixels, not "
-                             f"{self.image_size}")  # fmt: skip
+            raise SdkitError(
+                f"image_size must be 12 (a 3x3 grid of objects) to {MAX_IMAGE_SIZE} pixels, not {self.image_size}"
+            )
         if self.empty_fraction > 1 or self.pair_fraction > 1 or self.swap_fraction > 1:
             raise SdkitError("empty_fraction, pair_fraction and swap_fraction are fractions (0 to 1)")
         if self.swap_fraction and not self.pair_fraction:
@@ -133,11 +162,15 @@ class TrainSettings:
             raise SdkitError(f"unknown conditioning {self.conditioning!r}; choose one of {', '.join(CONDITIONINGS)}")
         for name in ("attention_loss_from", "swap_from", "timestep_bias_from"):
             if not 0 <= getattr(self, name) < SCHEDULER_CONFIG["num_train_timesteps"]:
-                raise SdkitError(f"{name} must be a timestep from 0 to "
-                                 f"{SCHEDULER_CONFIG['num_train_timesteps'] - 1}, not {getattr(self, name)}")  # fmt: skip
+                raise SdkitError(
+                    f"{name} must be a timestep from 0 to "
+                    f"{SCHEDULER_CONFIG['num_train_timesteps'] - 1}, not {getattr(self, name)}"
+                )
         if (self.grounding_weight or self.relation_weight) and self.conditioning != "tokens":
-            raise SdkitError("the grounding and relation losses need token conditioning: a pooled caption is one key, "
-                             "whose weight is 1 everywhere")  # fmt: skip
+            raise SdkitError(
+                "the grounding and relation losses need token conditioning: a pooled caption is one key, "
+                "whose weight is 1 everywhere"
+            )
         if self.lr_schedule not in LR_SCHEDULES:
             raise SdkitError(f"unknown lr_schedule {self.lr_schedule!r}; choose one of {', '.join(LR_SCHEDULES)}")
         if self.precision not in PRECISIONS:
@@ -145,9 +178,19 @@ class TrainSettings:
 
 
 # Settings added after models were trained and recorded, with the value every earlier run had.
-ADDED_SETTINGS = {"coordinates": False, "grounding_weight": 0.0, "relation_weight": 0.0, "attention_loss_from": 0,
-                  "zero_terminal_snr": False, "swap_fraction": 0.0, "swap_from": 600, "place_embeddings": False,
-                  "timestep_bias": 1.0, "timestep_bias_from": 900, "lr_schedule": "cosine"}
+ADDED_SETTINGS = {
+    "coordinates": False,
+    "grounding_weight": 0.0,
+    "relation_weight": 0.0,
+    "attention_loss_from": 0,
+    "zero_terminal_snr": False,
+    "swap_fraction": 0.0,
+    "swap_from": 600,
+    "place_embeddings": False,
+    "timestep_bias": 1.0,
+    "timestep_bias_from": 900,
+    "lr_schedule": "cosine",
+}
 
 
 def recorded_settings(recorded: dict) -> dict:
@@ -169,7 +212,7 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     # a plain loop, where float32 is 1.10x) and slower on others (a Xeon showing AVX512-BF16 without
     # AMX). Plain bfloat16 runs of the shipped recipe drew 42 and 23 % of pairs (seeds 0 and 1) where
     # float32 drew 70 and 55 %; with float32 ends, 50, 55, 23 and 55 % where float32 drew 70, 55, 56
-    # and 36 % (seeds 0 to 3; the ablation's last rows; README "Speed"): gaps of either sign, as
+    # and 36 % (seeds 0 to 3; the ablation's last rows; docs/training.md, "Speed"): gaps of either sign, as
     # wide as float32's own from seed to seed, and a run's result moves with the float order alone
     # (seed 2 with float32 ends: 23 % in two threads, 64 % in one).
     return "fp32"
@@ -202,8 +245,13 @@ class CaptionStates:
         return F.pad(states, (0, 0, 0, self.max_length - states.shape[1]))
 
 
-def encode_captions(encoder: TextEncoder, captions: list[str], cache_dir: str | os.PathLike | None,
-                    batch_size: int = 128, progress: bool = True) -> CaptionStates:  # fmt: skip
+def encode_captions(
+    encoder: TextEncoder,
+    captions: list[str],
+    cache_dir: str | os.PathLike | None,
+    batch_size: int = 128,
+    progress: bool = True,
+) -> CaptionStates:
     """Encode captions (or read them from the cache, keyed by the encoder and the captions)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file, save_file
@@ -248,13 +296,20 @@ class Batch(NamedTuple):
     noised_from: torch.Tensor  # (n, 3, H, W): the image the noise is added to (pixels, or a pair swapped)
 
 
-def batch_at(step: int, settings: TrainSettings, captions: CaptionStates, process: int = 0, processes: int = 1) -> Batch:
+def batch_at(
+    step: int, settings: TrainSettings, captions: CaptionStates, process: int = 0, processes: int = 1
+) -> Batch:
     """This process's share of the batch of `step`."""
     per_process = settings.batch_size // processes
     first = step * settings.batch_size + process * per_process
-    samples = [sample_at(settings.seed, i, settings.image_size, settings.pair_fraction) for i in range(first, first + per_process)]
-    texts = ["" if random.Random(f"drop:{settings.seed}:{i}").random() < settings.empty_fraction else s.caption
-             for i, s in zip(range(first, first + per_process), samples)]  # fmt: skip
+    samples = [
+        sample_at(settings.seed, i, settings.image_size, settings.pair_fraction)
+        for i in range(first, first + per_process)
+    ]
+    texts = [
+        "" if random.Random(f"drop:{settings.seed}:{i}").random() < settings.empty_fraction else s.caption
+        for i, s in zip(range(first, first + per_process), samples)
+    ]
     pixels = torch.from_numpy(np.stack([to_model(s.image) for s in samples]))
     masks = torch.zeros(per_process, 2, settings.image_size, settings.image_size)
     for i, sample in enumerate(samples):
@@ -269,8 +324,11 @@ def batch_at(step: int, settings: TrainSettings, captions: CaptionStates, proces
     if settings.swap_fraction:
         noised_from = pixels.clone()
         for i, (index, sample) in enumerate(zip(range(first, first + per_process), samples)):
-            if len(sample.masks) == 2 and timesteps[i] >= settings.swap_from and \
-                    random.Random(f"swap:{settings.seed}:{index}").random() < settings.swap_fraction:  # fmt: skip
+            if (
+                len(sample.masks) == 2
+                and timesteps[i] >= settings.swap_from
+                and random.Random(f"swap:{settings.seed}:{index}").random() < settings.swap_fraction
+            ):
                 swapped = sample_at(settings.seed, index, settings.image_size, settings.pair_fraction, swapped=True)
                 noised_from[i] = torch.from_numpy(to_model(swapped.image))
     return Batch(pixels, captions.lookup(texts, settings.conditioning), noise, timesteps, texts, masks, noised_from)
@@ -400,8 +458,14 @@ def upsample_by_broadcast(unet) -> None:
         return run
 
     for module in unet.modules():
-        if (isinstance(module, Upsample2D) and module.interpolate and module.use_conv and module.name == "conv"
-                and module.norm is None and not module.use_conv_transpose):  # fmt: skip
+        if (
+            isinstance(module, Upsample2D)
+            and module.interpolate
+            and module.use_conv
+            and module.name == "conv"
+            and module.norm is None
+            and not module.use_conv_transpose
+        ):
             module.forward = broadcast_forward(module)
 
 
@@ -490,8 +554,9 @@ def noised_from_swapped(pixels, noised_from, noise, timesteps, noise_scheduler) 
 def relation_signs(captions: list[str]) -> torch.Tensor:
     """(captions,): 1 where a pair's first object is left of the second, -1 where right, 0 otherwise."""
     scenes = [parse_caption(c) for c in captions]
-    return torch.tensor([0.0 if s is None or s.relation is None else 1.0 if s.relation == "left of" else -1.0
-                         for s in scenes])  # fmt: skip
+    return torch.tensor(
+        [0.0 if s is None or s.relation is None else 1.0 if s.relation == "left of" else -1.0 for s in scenes]
+    )
 
 
 def object_tokens(encoder: TextEncoder, captions: list[str], length: int) -> torch.Tensor:
@@ -628,20 +693,34 @@ def check_training_fits(config: dict, batch_size: int, device: torch.device) -> 
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_memory()
     if need > free:
         side = config["sample_size"]
-        raise SdkitError(f"a batch of {batch_size:,} images at {side}x{side} needs at least {format_bytes(need)} to "
-                         f"train; {format_bytes(free)} is free (lower --batch-size or --image-size)")  # fmt: skip
+        raise SdkitError(
+            f"a batch of {batch_size:,} images at {side}x{side} needs at least {format_bytes(need)} to "
+            f"train; {format_bytes(free)} is free (lower --batch-size or --image-size)"
+        )
 
 
 def run_fingerprint(settings: TrainSettings, unet_config: dict, encoder: TextEncoder) -> str:
     """Everything that decides the trained weights; a checkpoint from another run is refused."""
-    data = {"format": 2, "settings": asdict(settings), "unet": dict(unet_config), "encoder": encoder_fingerprint(encoder)}
+    data = {
+        "format": 2,
+        "settings": asdict(settings),
+        "unet": dict(unet_config),
+        "encoder": encoder_fingerprint(encoder),
+    }
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings | None = None,
-          unet_config: dict | None = None, checkpoint_dir: str | os.PathLike | None = None,
-          checkpoint_every: int = 200, cache_dir: str | os.PathLike | None = None, progress: bool = True,
-          stop_after: int | None = None) -> TrainResult:  # fmt: skip
+def train(
+    out: str | os.PathLike,
+    encoder: TextEncoder,
+    settings: TrainSettings | None = None,
+    unet_config: dict | None = None,
+    checkpoint_dir: str | os.PathLike | None = None,
+    checkpoint_every: int = 200,
+    cache_dir: str | os.PathLike | None = None,
+    progress: bool = True,
+    stop_after: int | None = None,
+) -> TrainResult:
     """Train a mini SD and save it (EMA weights) to `out` as a model folder.
 
     With `checkpoint_dir`, the full state (weights, EMA, optimizer, step) is written there every
@@ -668,11 +747,15 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
     config["in_channels"] = config.get("out_channels", 3) + (2 if settings.coordinates else 0)
     halvings = 2 ** (len(config.get("block_out_channels", ())) - 1)
     if settings.image_size % halvings:
-        raise SdkitError(f"image_size {settings.image_size} does not halve {halvings.bit_length() - 1} times "
-                         f"through the U-Net's levels: use a multiple of {halvings}")  # fmt: skip
+        raise SdkitError(
+            f"image_size {settings.image_size} does not halve {halvings.bit_length() - 1} times "
+            f"through the U-Net's levels: use a multiple of {halvings}"
+        )
     if config.get("cross_attention_dim") != encoder.width:
-        raise SdkitError(f"the U-Net config reads {config.get('cross_attention_dim')}-wide states, the text encoder "
-                         f"gives {encoder.width}")  # fmt: skip
+        raise SdkitError(
+            f"the U-Net config reads {config.get('cross_attention_dim')}-wide states, the text encoder "
+            f"gives {encoder.width}"
+        )
     # Precision and compilation are set here, not through Accelerator(mixed_precision=...,
     # dynamo_backend=...): accelerate keeps those in a process-wide state that a second run in the
     # same process (a notebook, the ablation) could not change. The Accelerator comes first: a
@@ -683,10 +766,14 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
     if settings.batch_size % accelerator.num_processes:
         raise SdkitError(f"batch size {settings.batch_size} does not split over {accelerator.num_processes} processes")
     check_training_fits(config, settings.batch_size // accelerator.num_processes, device)
-    captions = encode_captions(encoder, ["", *all_captions()], cache_dir, progress=progress and accelerator.is_main_process)
+    captions = encode_captions(
+        encoder, ["", *all_captions()], cache_dir, progress=progress and accelerator.is_main_process
+    )
     if int(captions.lengths.max()) > settings.context_length or settings.context_length > encoder.max_length:
-        raise SdkitError(f"context length {settings.context_length} must hold the longest caption "
-                         f"({int(captions.lengths.max())} tokens) and fit the encoder ({encoder.max_length})")  # fmt: skip
+        raise SdkitError(
+            f"context length {settings.context_length} must hold the longest caption "
+            f"({int(captions.lengths.max())} tokens) and fit the encoder ({encoder.max_length})"
+        )
     captions.max_length = settings.context_length
     noise_scheduler = DDPMScheduler.from_config(scheduler_config(settings))
     unet = recipe_unet(config, settings)
@@ -699,8 +786,11 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
         unet.set_attn_processor(AttnProcessor())
     if settings.precision == "bf16-fp32-ends":
         ends_in_float32(unet)
-    attention_weights = {name: weight for name, weight in (("grounding", settings.grounding_weight),
-                                                           ("relation", settings.relation_weight)) if weight}  # fmt: skip
+    attention_weights = {
+        name: weight
+        for name, weight in (("grounding", settings.grounding_weight), ("relation", settings.relation_weight))
+        if weight
+    }
     maps = CrossAttentionMaps(unet) if attention_weights else None
     tokens = object_tokens(encoder, captions.captions, settings.context_length) if maps else None
     signs = relation_signs(captions.captions) if maps else None
@@ -708,9 +798,12 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
     # give each parameter a storage of its own.
     model = accelerator.prepare(unet)
     weights = flat_parameters(unet)
-    ema = EMAModel([weights], decay=settings.ema_max_decay, use_ema_warmup=True, inv_gamma=1.0, power=settings.ema_power)
-    optimizer = torch.optim.AdamW([weights], lr=settings.lr, weight_decay=settings.weight_decay,
-                                  fused=device.type in ("cpu", "cuda"))  # fmt: skip
+    ema = EMAModel(
+        [weights], decay=settings.ema_max_decay, use_ema_warmup=True, inv_gamma=1.0, power=settings.ema_power
+    )
+    optimizer = torch.optim.AdamW(
+        [weights], lr=settings.lr, weight_decay=settings.weight_decay, fused=device.type in ("cpu", "cuda")
+    )
     fingerprint = run_fingerprint(settings, config, encoder)
     checkpoint = Path(checkpoint_dir) / CHECKPOINT if checkpoint_dir else None
     start, history, earlier = 0, [], 0.0
@@ -732,13 +825,23 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
     remedy = f"lower {' and '.join(heavy)}" if heavy else "try a lower lr"
     began = window_began = time.perf_counter()
     unread, window = [], []  # per step: [loss, total, *attention losses]; tensors, then floats
-    with freed_memory_kept(), tqdm(total=settings.steps, initial=start, desc="training mini SD", unit="step",
-                                   disable=not progress or not accelerator.is_main_process) as bar:  # fmt: skip
+    with (
+        freed_memory_kept(),
+        tqdm(
+            total=settings.steps,
+            initial=start,
+            desc="training mini SD",
+            unit="step",
+            disable=not progress or not accelerator.is_main_process,
+        ) as bar,
+    ):
         for step in range(start, settings.steps):
             batch = batch_at(step, settings, captions, accelerator.process_index, accelerator.num_processes)
             pixels, states, noise, timesteps = (t.to(accelerator.device) for t in batch[:4])
             if settings.swap_fraction:
-                noisy, noise = noised_from_swapped(pixels, batch.noised_from.to(device), noise, timesteps, noise_scheduler)
+                noisy, noise = noised_from_swapped(
+                    pixels, batch.noised_from.to(device), noise, timesteps, noise_scheduler
+                )
             else:
                 noisy = noise_scheduler.add_noise(pixels, noise, timesteps)
             noisy = add_coordinates(noisy) if settings.coordinates else noisy
@@ -781,35 +884,67 @@ def train(out: str | os.PathLike, encoder: TextEncoder, settings: TrainSettings 
                 # loss: the denoising loss alone; grounding and relation, when on: each its own, unweighted
                 sums = [sum(row[i] for row in window) for i in range(len(window[0]))]
                 now = time.perf_counter()
-                history.append({"step": done, "loss": sums[0] / len(window),
-                                **{name: sums[2 + i] / len(window) for i, name in enumerate(attention_weights)},
-                                "seconds": round(earlier + now - began, 3)})  # fmt: skip
-                bar.set_postfix(loss=f"{window[-1][0]:.4f}", samples_s=f"{len(window) * settings.batch_size / (now - window_began):.1f}")
+                history.append(
+                    {
+                        "step": done,
+                        "loss": sums[0] / len(window),
+                        **{name: sums[2 + i] / len(window) for i, name in enumerate(attention_weights)},
+                        "seconds": round(earlier + now - began, 3),
+                    }
+                )
+                bar.set_postfix(
+                    loss=f"{window[-1][0]:.4f}",
+                    samples_s=f"{len(window) * settings.batch_size / (now - window_began):.1f}",
+                )
                 window, window_began = [], now
             bar.update(1)
             if keep and accelerator.is_main_process:
                 so_far = earlier + time.perf_counter() - began
                 save_checkpoint(checkpoint, unet, ema, optimizer, done, history, fingerprint, so_far)
                 # the run so far as a model folder, for `sdkit minisd eval` or `sample` while it goes on
-                save_ema_model(checkpoint.parent / IN_PROGRESS, ema, config, settings, encoder,
-                               {**trained_on, "checkpoint_step": done, "total_seconds": round(so_far, 1),
-                                "history": history})  # fmt: skip
+                save_ema_model(
+                    checkpoint.parent / IN_PROGRESS,
+                    ema,
+                    config,
+                    settings,
+                    encoder,
+                    {**trained_on, "checkpoint_step": done, "total_seconds": round(so_far, 1), "history": history},
+                )
             if stop:
                 raise Interrupted(f"stopped after step {done}")
     seconds = time.perf_counter() - began
-    result = TrainResult(str(out), asdict(settings), settings.steps, start, seconds,
-                         (settings.steps - start) * settings.batch_size / max(seconds, 1e-9), history,
-                         earlier + seconds)  # fmt: skip
+    result = TrainResult(
+        str(out),
+        asdict(settings),
+        settings.steps,
+        start,
+        seconds,
+        (settings.steps - start) * settings.batch_size / max(seconds, 1e-9),
+        history,
+        earlier + seconds,
+    )
     if accelerator.is_main_process:
-        save_ema_model(out, ema, config, settings, encoder,
-                       {**trained_on, "resumed_from_step": start, "seconds": round(seconds, 1),
-                        "total_seconds": round(result.total_seconds, 1),
-                        "samples_per_second": round(result.samples_per_second, 2), "history": history})  # fmt: skip
+        save_ema_model(
+            out,
+            ema,
+            config,
+            settings,
+            encoder,
+            {
+                **trained_on,
+                "resumed_from_step": start,
+                "seconds": round(seconds, 1),
+                "total_seconds": round(result.total_seconds, 1),
+                "samples_per_second": round(result.samples_per_second, 2),
+                "history": history,
+            },
+        )
     return result
 
 
-def save_ema_model(out: str | os.PathLike, ema, config: dict, settings: TrainSettings, encoder: TextEncoder,
-                   training: dict) -> None:
+def save_ema_model(
+    out: str | os.PathLike, ema, config: dict, settings: TrainSettings, encoder: TextEncoder, training: dict
+) -> None:
     """The EMA weights as a mini SD folder, with `training` as its record of how they were made."""
     from ..presets import build_unet
 
@@ -817,14 +952,22 @@ def save_ema_model(out: str | os.PathLike, ema, config: dict, settings: TrainSet
     # the global generator in the middle of a run. A diffusers U-Net has parameters and no buffers.
     unet = build_unet(config).to_empty(device="cpu")
     torch.nn.utils.vector_to_parameters(ema.shadow_params[0].detach().cpu(), unet.parameters())
-    spec = MiniSDSpec(text_encoder=Path(encoder.source).name, layer=encoder.layer, max_length=settings.context_length,
-                      conditioning=settings.conditioning, image_size=settings.image_size,
-                      coordinates=settings.coordinates, place_embeddings=settings.place_embeddings, training=training)  # fmt: skip
+    spec = MiniSDSpec(
+        text_encoder=Path(encoder.source).name,
+        layer=encoder.layer,
+        max_length=settings.context_length,
+        conditioning=settings.conditioning,
+        image_size=settings.image_size,
+        coordinates=settings.coordinates,
+        place_embeddings=settings.place_embeddings,
+        training=training,
+    )
     MiniSDPipeline(unet, scheduler_config(settings), spec).save_pretrained(out)
 
 
-def save_checkpoint(path: Path, unet, ema, optimizer, step: int, history: list[dict], fingerprint: str,
-                    seconds: float) -> None:
+def save_checkpoint(
+    path: Path, unet, ema, optimizer, step: int, history: list[dict], fingerprint: str, seconds: float
+) -> None:
     from safetensors.torch import save_file
 
     names, sizes = zip(*((n, p.numel()) for n, p in unet.named_parameters()))
@@ -835,9 +978,14 @@ def save_checkpoint(path: Path, unet, ema, optimizer, step: int, history: list[d
     for index, state in opt["state"].items():
         for name, value in state.items():
             tensors[f"optimizer.{index}.{name}"] = torch.as_tensor(value).detach().cpu().contiguous()
-    metadata = {"step": str(step), "ema_step": str(ema.optimization_step), "fingerprint": fingerprint,
-                "history": json.dumps(history), "param_groups": json.dumps(opt["param_groups"]),
-                "seconds": repr(seconds)}  # fmt: skip
+    metadata = {
+        "step": str(step),
+        "ema_step": str(ema.optimization_step),
+        "fingerprint": fingerprint,
+        "history": json.dumps(history),
+        "param_groups": json.dumps(opt["param_groups"]),
+        "seconds": repr(seconds),
+    }
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata=metadata)
 
@@ -856,9 +1004,11 @@ def load_checkpoint(path: Path, unet, ema, optimizer, fingerprint: str) -> tuple
     except (SafetensorError, OSError) as e:
         raise SdkitError(f"{path}: cannot resume from this checkpoint ({e}); delete it to start over") from None
     if metadata.get("fingerprint") != fingerprint:
-        raise SdkitError(f"{path}: this checkpoint belongs to another run (other settings, model or text encoder, "
-                         "or an older sdkit's checkpoint format); "
-                         "delete it or choose another checkpoint folder")  # fmt: skip
+        raise SdkitError(
+            f"{path}: this checkpoint belongs to another run (other settings, model or text encoder, "
+            "or an older sdkit's checkpoint format); "
+            "delete it or choose another checkpoint folder"
+        )
     unet.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
     names = [n for n, _ in unet.named_parameters()]
     ema.shadow_params = [torch.cat([tensors[f"ema.{n}"].reshape(-1) for n in names])]

@@ -80,8 +80,9 @@ def two_colour_pairs(count: int) -> tuple[list, list[str], list[str]]:
     return scenes, [s.objects[0].colour for s in scenes], [s.objects[1].colour for s in scenes]
 
 
-def relation_by_step(pipe, count: int = 64, guidance_scale: float = 4.0, steps: int = 25, model_name: str = "model",
-                     progress=None) -> RelationSteps:  # fmt: skip
+def relation_by_step(
+    pipe, count: int = 64, guidance_scale: float = 4.0, steps: int = 25, model_name: str = "model", progress=None
+) -> RelationSteps:
     """The evaluation's first `count` pair prompts (those with two colours), each sampled with
     "left of" and with "right of" from seed i, read step by step (see the module's docstring)."""
     start = time.perf_counter()
@@ -100,17 +101,33 @@ def relation_by_step(pipe, count: int = 64, guidance_scale: float = 4.0, steps: 
             order[relation][begin:end, index] = order_moment(clean, first[begin:end], second[begin:end])
             colour[relation][begin:end, index] = horizontal_moment(clean.norm(dim=1))
 
-        captions = [pair_scene((s.objects[0].colour, s.objects[0].shape), relation,
-                               (s.objects[1].colour, s.objects[1].shape), template=s.template).caption
-                    for s in scenes]  # fmt: skip
-        pipe(captions, steps, guidance_scale, seeds=list(range(len(scenes))), progress=progress,
-             callback_on_step_end=record)  # fmt: skip
+        captions = [
+            pair_scene(
+                (s.objects[0].colour, s.objects[0].shape),
+                relation,
+                (s.objects[1].colour, s.objects[1].shape),
+                template=s.template,
+            ).caption
+            for s in scenes
+        ]
+        pipe(
+            captions,
+            steps,
+            guidance_scale,
+            seeds=list(range(len(scenes))),
+            progress=progress,
+            callback_on_step_end=record,
+        )
     left, right = order["left of"], order["right of"]
-    per_pair = {"in order": ((left < 0).float() + (right > 0).float()) / 2, "the word orders": (left < right).float(),
-                "the word moves colour": (colour["left of"] < colour["right of"]).float()}  # fmt: skip
+    per_pair = {
+        "in order": ((left < 0).float() + (right > 0).float()) / 2,
+        "the word orders": (left < right).float(),
+        "the word moves colour": (colour["left of"] < colour["right of"]).float(),
+    }
     shares, intervals = shares_with_intervals(per_pair)
-    return RelationSteps(model_name, len(scenes), guidance_scale, timesteps, shares, intervals,
-                         time.perf_counter() - start)  # fmt: skip
+    return RelationSteps(
+        model_name, len(scenes), guidance_scale, timesteps, shares, intervals, time.perf_counter() - start
+    )
 
 
 def shares_with_intervals(per_pair: dict[str, torch.Tensor]) -> tuple[dict, dict]:
@@ -145,8 +162,14 @@ class CaptionAgainstNoise:
 
 
 @torch.no_grad()
-def caption_against_noise(pipe, count: int = 64, timesteps=CONFLICT_TIMESTEPS, guidance_scale: float = 4.0,
-                          seed: int = 0, model_name: str = "model") -> CaptionAgainstNoise:  # fmt: skip
+def caption_against_noise(
+    pipe,
+    count: int = 64,
+    timesteps=CONFLICT_TIMESTEPS,
+    guidance_scale: float = 4.0,
+    seed: int = 0,
+    model_name: str = "model",
+) -> CaptionAgainstNoise:
     """Does the model take a pair's order from its caption or from the image under the noise?
 
     The evaluation's first `count` pair prompts with two colours, drawn by the generator (image i
@@ -166,10 +189,14 @@ def caption_against_noise(pipe, count: int = 64, timesteps=CONFLICT_TIMESTEPS, g
 
     start = time.perf_counter()
     scenes, first, second = two_colour_pairs(count)
-    asked = torch.tensor([-1.0 if s.relation == "left of" else 1.0 for s in scenes])  # the moment's sign the caption asks
+    asked = torch.tensor(
+        [-1.0 if s.relation == "left of" else 1.0 for s in scenes]
+    )  # the moment's sign the caption asks
     side = pipe.spec.image_size
-    sources = {SOURCES[0]: [render(s, side, random.Random(i)).image for i, s in enumerate(scenes)],
-               SOURCES[1]: [render(swapped_objects(s), side, random.Random(i)).image for i, s in enumerate(scenes)]}
+    sources = {
+        SOURCES[0]: [render(s, side, random.Random(i)).image for i, s in enumerate(scenes)],
+        SOURCES[1]: [render(swapped_objects(s), side, random.Random(i)).image for i, s in enumerate(scenes)],
+    }
     noise = torch.randn((len(scenes), 3, side, side), generator=torch.Generator().manual_seed(seed))
     scheduler = DDPMScheduler.from_config(pipe.scheduler_config)
     param = next(pipe.unet.parameters())
@@ -185,8 +212,15 @@ def caption_against_noise(pipe, count: int = 64, timesteps=CONFLICT_TIMESTEPS, g
             implied = predicted_clean(scheduler, noisy.float().cpu(), prediction.float().cpu(), t)
             per_pair[name][:, k] = (order_moment(implied, first, second) * asked > 0).float()
     shares, intervals = shares_with_intervals(per_pair)
-    return CaptionAgainstNoise(model_name, len(scenes), guidance_scale, [int(t) for t in timesteps], shares, intervals,
-                               time.perf_counter() - start)  # fmt: skip
+    return CaptionAgainstNoise(
+        model_name,
+        len(scenes),
+        guidance_scale,
+        [int(t) for t in timesteps],
+        shares,
+        intervals,
+        time.perf_counter() - start,
+    )
 
 
 def format_caption_against_noise(result: CaptionAgainstNoise) -> str:
@@ -197,6 +231,9 @@ def format_caption_against_noise(result: CaptionAgainstNoise) -> str:
 def format_relation_steps(results: list[RelationSteps], every: int = 4) -> str:
     """Per model and measure, the share at every `every`-th step and the last."""
     steps = sorted({*range(0, len(results[0].timesteps), every), len(results[0].timesteps) - 1})
-    rows = [[r.model if i == 0 else "", name, *(f"{100 * r.shares[name][k]:.0f} %" for k in steps)]
-            for r in results for i, name in enumerate(MEASURES)]  # fmt: skip
+    rows = [
+        [r.model if i == 0 else "", name, *(f"{100 * r.shares[name][k]:.0f} %" for k in steps)]
+        for r in results
+        for i, name in enumerate(MEASURES)
+    ]
     return format_table(["model", "pairs", *(f"t = {results[0].timesteps[k]}" for k in steps)], rows)

@@ -2,8 +2,8 @@
 
 A refactor must not change what the commands print or write. Record before it, compare after:
 
-    python scripts/record_outputs.py record out/outputs-before
-    python scripts/record_outputs.py compare out/outputs-before
+    python scripts/maintain/record_outputs.py record out/outputs-before
+    python scripts/maintain/record_outputs.py compare out/outputs-before
 
 Each command's stdout (the table), its --json-out JSON and the files it writes are kept; timings
 (seconds, samples/s, peak memory) are masked, since they differ from run to run. The mini SD sample
@@ -26,11 +26,32 @@ COMMANDS = {
     "audit-minisd": ["audit", "minisd"],
     "scoretable": ["scoretable", "--height", "512", "--width", "768"],
     "condition-tiny": ["condition"],
-    "adapter-demo-tiny": ["adapter", "demo", "--encoders-dir", "{tmp}/encoders", "--out", "{tmp}/adapters",
-                          "--cache", "{tmp}/cache", "--prompts", "120", "--epochs", "3"],
+    "adapter-demo-tiny": [
+        "adapter",
+        "demo",
+        "--encoders-dir",
+        "{tmp}/encoders",
+        "--out",
+        "{tmp}/adapters",
+        "--cache",
+        "{tmp}/cache",
+        "--prompts",
+        "120",
+        "--epochs",
+        "3",
+    ],
     "memory-quick": ["memory", "--quick"],
-    "minisd-sample": ["minisd", "sample", "a red circle at the top left", "--seeds", "2", "--steps", "10",
-                      "--out", "{tmp}/sample.png"],
+    "minisd-sample": [
+        "minisd",
+        "sample",
+        "a red circle at the top left",
+        "--seeds",
+        "2",
+        "--steps",
+        "10",
+        "--out",
+        "{tmp}/sample.png",
+    ],
 }
 TIMING_KEYS = re.compile(r"(seconds|_s$|per_second|peak|elapsed|time)", re.I)
 TIMING_TEXT = re.compile(r"\d[\d,.]*\s?(s|ms|min|samples/s|MiB|GiB|KiB)\b")
@@ -48,8 +69,12 @@ def run(name: str, args: list[str], out: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         json_out = Path(tmp) / "out.json"
         argv = [a.replace("{tmp}", tmp) for a in args] + ["--json-out", str(json_out)]
-        done = subprocess.run([sys.executable, "-m", "sdkit", *argv], capture_output=True, text=True,
-                              env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-m", "sdkit", *argv],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
         folder = out / name
         folder.mkdir(parents=True, exist_ok=True)
         text = TIMING_TEXT.sub("<timing>", done.stdout.replace(tmp, "{tmp}"))
@@ -78,7 +103,9 @@ def main() -> int:
         after = out / before.relative_to(target)
         if not after.is_file() or after.read_bytes() != before.read_bytes():
             differ.append(str(before.relative_to(target)))
-    missing = [str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() and not (target / p.relative_to(out)).exists()]
+    missing = [
+        str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() and not (target / p.relative_to(out)).exists()
+    ]
     for name in differ + missing:
         print(f"differs: {name}")
     print("all outputs the same" if not differ and not missing else f"{len(differ) + len(missing)} outputs differ")

@@ -1,9 +1,9 @@
-"""How long the README's commands keep a person waiting in silence, on a terminal.
+"""How long the docs' commands keep a person waiting in silence, on a terminal.
 
-    python scripts/silence.py                    # every runnable `sdkit` command in README.md
-    python scripts/silence.py --only minisd      # those whose text contains "minisd"
-    python scripts/silence.py --cap 120 --json   # stop each after 120 s (what it showed so far counts)
-    python scripts/silence.py --cap 900 --json-out weights/minisd/findings/timings.json   # the README's timings
+    python scripts/maintain/silence.py                    # every runnable `sdkit` command of the docs
+    python scripts/maintain/silence.py --only minisd      # those whose text contains "minisd"
+    python scripts/maintain/silence.py --cap 120 --json   # stop each after 120 s (what it showed so far counts)
+    python scripts/maintain/silence.py --cap 900 --json-out weights/minisd/findings/timings.json   # the docs' timings
 
 Each command runs under a pseudo-terminal (stdout and stderr both on it, 120 columns), in a scratch
 folder that sees this checkout's weights/, so its pictures land there and not in the checkout. What
@@ -27,14 +27,16 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PLACEHOLDERS = ("path/to/", "~/")
 
 
-def readme_commands(readme: Path) -> list[str]:
-    """The `sdkit ...` lines of the README's bash blocks, continuations joined, comments dropped."""
+def docs_commands() -> list[str]:
+    """The `sdkit ...` lines of the bash blocks of README.md and docs/, continuations joined,
+    comments dropped."""
     commands = []
-    for block in re.findall(r"```bash\n(.*?)```", readme.read_text(), flags=re.S):
+    text = "".join(page.read_text() for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))])
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
         for line in block.replace("\\\n", " ").splitlines():
             line = line.split(" #")[0].strip()
             if line.startswith("sdkit ") or line == "sdkit":
@@ -54,8 +56,9 @@ def watch(command: str, cwd: Path, cap: float) -> dict:
     argv = [sdkit, *shlex.split(command)[1:]]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "120"}
     start = time.monotonic()
-    process = subprocess.Popen(argv, cwd=cwd, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, env=env,
-                               start_new_session=True)  # fmt: skip
+    process = subprocess.Popen(
+        argv, cwd=cwd, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, env=env, start_new_session=True
+    )
     os.close(slave)
     times, tail = [], b""
     while True:
@@ -79,25 +82,34 @@ def watch(command: str, cwd: Path, cap: float) -> dict:
     end = time.monotonic() - start
     os.close(master)
     marks = [0.0, *times, end]
-    return {"command": command, "seconds": round(end, 1), "finished": end <= cap, "exit": process.returncode,
-            "first_output": round(times[0], 1) if times else None,
-            "longest_silence": round(max(b - a for a, b in zip(marks, marks[1:])), 1),
-            "last_output": tail.decode(errors="replace").replace("\r", "\n").strip().splitlines()[-1:]}  # fmt: skip
+    return {
+        "command": command,
+        "seconds": round(end, 1),
+        "finished": end <= cap,
+        "exit": process.returncode,
+        "first_output": round(times[0], 1) if times else None,
+        "longest_silence": round(max(b - a for a, b in zip(marks, marks[1:])), 1),
+        "last_output": tail.decode(errors="replace").replace("\r", "\n").strip().splitlines()[-1:],
+    }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default="", help="run only commands containing this text")
-    parser.add_argument("--skip", action="append", default=[], help="leave out commands containing this text (repeatable)")
+    parser.add_argument(
+        "--skip", action="append", default=[], help="leave out commands containing this text (repeatable)"
+    )
     parser.add_argument("--cap", type=float, default=180.0, help="seconds each command may run (default 180)")
     parser.add_argument("--json", action="store_true", help="the rows as JSON")
-    parser.add_argument("--json-out", help="also write the rows, with the machine they ran on, to this file (with "
-                                           "--only or --skip, the rows of the commands left out are kept from it)")
+    parser.add_argument(
+        "--json-out",
+        help="also write the rows, with the machine they ran on, to this file (with "
+        "--only or --skip, the rows of the commands left out are kept from it)",
+    )
     args = parser.parse_args()
     if not shutil.which("sdkit", path=str(Path(sys.executable).parent)):
         sys.exit("silence.py: no sdkit command beside this Python; pip install . first")
-    commands = [c for c in readme_commands(ROOT / "README.md")
-                if args.only in c and not any(p in c for p in (*PLACEHOLDERS, *args.skip))]  # fmt: skip
+    commands = [c for c in docs_commands() if args.only in c and not any(p in c for p in (*PLACEHOLDERS, *args.skip))]
     rows = []
     with tempfile.TemporaryDirectory(prefix="sdkit-silence-") as scratch:
         (Path(scratch) / "weights").symlink_to(ROOT / "weights")
@@ -106,8 +118,11 @@ def main() -> int:
             rows.append(watch(command, Path(scratch), args.cap))
             if not args.json:
                 r = rows[-1]
-                print(f"{r['first_output']!s:>6} s first  {r['longest_silence']:>6} s silent  {r['seconds']:>7} s "
-                      f"{'' if r['finished'] else '(capped) '}exit {r['exit']}  {command}", flush=True)  # fmt: skip
+                print(
+                    f"{r['first_output']!s:>6} s first  {r['longest_silence']:>6} s silent  {r['seconds']:>7} s "
+                    f"{'' if r['finished'] else '(capped) '}exit {r['exit']}  {command}",
+                    flush=True,
+                )
     if args.json:
         print(json.dumps(rows, indent=2))
     if args.json_out:
@@ -115,14 +130,18 @@ def main() -> int:
 
         import torch
 
-        machine = {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
-                   "python": platform.python_version(), "torch": torch.__version__,
-                   "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}  # fmt: skip
+        machine = {
+            "cpus": os.cpu_count(),
+            "processor": platform.processor() or platform.machine(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        }
         out, written = Path(args.json_out), rows
         if (args.only or args.skip) and out.is_file():  # a partial run updates its own rows only
             ran = {r["command"] for r in rows}
             kept = [r for r in json.loads(out.read_text())["rows"] if r["command"] not in ran]
-            order = {c: i for i, c in enumerate(readme_commands(ROOT / "README.md"))}
+            order = {c: i for i, c in enumerate(docs_commands())}
             written = sorted(kept + rows, key=lambda r: order.get(r["command"], len(order)))
         out.write_text(json.dumps({"machine": machine, "cap_seconds": args.cap, "rows": written}, indent=2) + "\n")
     late = [r for r in rows if r["first_output"] is None or r["first_output"] > 2 or r["longest_silence"] > 5]
