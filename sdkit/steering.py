@@ -47,6 +47,28 @@ class Guide:
     layout: list[tuple[list[int], torch.Tensor]] = field(default_factory=list)
     text: slice | None = None  # the tokens excite's softmax runs over (default: the settings')
 
+    @classmethod
+    def from_words(cls, tokenizer, prompt: str, excite=(), bind=(), layout=(), max_length: int = 77) -> Guide:
+        """A guide given by words of `prompt`, each found among its tokens (a word's pieces together):
+        excite: words; bind: (attribute, its noun, [other nouns]); layout: (word, region). A word the
+        prompt lacks is an error that lists its words."""
+        from .encoders import token_roles
+
+        words = token_roles(tokenizer, prompt, max_length).words
+
+        def at(word: str) -> list[int]:
+            wanted = " ".join(word.lower().split())
+            positions = [p for w, ps in words if w.lower() == wanted for p in ps]
+            if not positions:
+                raise SdkitError(f"{word!r} is not a word of {prompt!r}; its words: {', '.join(w for w, _ in words)}")
+            return positions
+
+        return cls(
+            excite=[at(w) for w in excite],
+            bind=[(at(a), at(n), [at(o) for o in others]) for a, n, others in bind],
+            layout=[(at(w), region) for w, region in layout],
+        )
+
     def positions(self) -> set[int]:
         used = {p for group in self.excite for p in group}
         used |= {p for a, n, others in self.bind for group in (a, n, *others) for p in group}

@@ -6,6 +6,14 @@ the trace questions (DAAM's shape: one context manager).
     trace.summary()        # per layer: spatial spread, entropy, effective tokens, mass per token
     trace.token_maps()     # (tokens, H, W): where each token's attention falls
 
+On a diffusers pipeline, in words (DAAM's `word_map("cat")`): the trace reads the prompts from the
+text encoder's input and tells classifier-free guidance's halves apart from the pipeline call.
+
+    with CrossAttentionTrace(pipe, maps=True) as trace:
+        image = pipe("a red cat on a blue chair").images[0]
+    trace.word_map("cat")                  # (H, W) at the image's size: the word's pieces summed
+    overlay(image, trace.word_map("cat"))  # the map over the image, as a PIL image
+
 The U-Net's own processors are put back on exit, also after an exception.
 """
 
@@ -22,6 +30,7 @@ from diffusers.models.attention_processor import Attention, AttnProcessor, AttnP
 from .common import SdkitError
 from .geometry import halved
 
+HALVES = ("conditional", "unconditional", "both")  # what a pipeline trace keeps of a guided batch
 _HINTS = {
     "SlicedAttnProcessor": "attention slicing is on; call pipe.disable_attention_slicing() first",
     "XFormersAttnProcessor": "xformers is on; call pipe.disable_xformers_memory_efficient_attention() first",
@@ -116,8 +125,21 @@ class CrossAttentionTrace:
         timesteps=None,
         keep_heads: bool = False,
         keep_graph: bool = False,
+        half: str = "conditional",
     ):
+        # A pipeline (anything with .unet, .text_encoder and .tokenizer, as diffusers' SD pipelines):
+        # its U-Net is traced, each call's guidance is read from the pipeline, and its prompts from
+        # the text encoder's input, so maps can be asked for by word.
+        self.pipe = unet if hasattr(unet, "unet") and hasattr(unet, "tokenizer") else None
+        if half not in HALVES:
+            raise SdkitError(f"half must be one of {', '.join(HALVES)}, not {half!r}")
+        if self.pipe is not None and cfg:
+            raise SdkitError("cfg=True is for a bare U-Net; a pipeline's trace reads its guidance from each call")
+        self.half = half
+        unet = self.pipe.unet if self.pipe is not None else unet
         self.unet, self.cfg, self.maps, self.map_sides = unet, cfg, maps, map_sides
+        self.prompt_ids: list[list[int]] = []  # per traced item: the token ids its text encoder read
+        self._encoded: list[list[list[int]]] = []  # text-encoder calls since the last U-Net call
         # keep_graph: each layer's weights of the latest call, with their autograd graph, in
         # graph_probs[layer]: (batch * heads, cells, tokens). What steering reads and differentiates.
         self.keep_graph = keep_graph
@@ -130,7 +152,7 @@ class CrossAttentionTrace:
         self._original: dict | None = None
         self._latent_size: tuple[int, int] | None = None
         self._timestep: int | None = None
-        self._hook = None
+        self._hooks: list = []
 
     def __enter__(self) -> CrossAttentionTrace:
         original = self.unet.attn_processors
@@ -149,19 +171,39 @@ class CrossAttentionTrace:
             replaced[name] = CaptureProcessor(self, layer, original[name])
             self.layers.setdefault(layer, _LayerSums())
         self.unet.set_attn_processor(replaced)
+        self._hooks = []
         if isinstance(self.unet, torch.nn.Module):
-            self._hook = self.unet.register_forward_pre_hook(self._read_call, with_kwargs=True)
+            self._hooks.append(self.unet.register_forward_pre_hook(self._read_call, with_kwargs=True))
+        if self.pipe is not None:
+            self._hooks.append(self.pipe.text_encoder.register_forward_pre_hook(self._read_prompt, with_kwargs=True))
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._hook is not None:
-            self._hook.remove()
+        for hook in self._hooks:
+            hook.remove()
         self.unet.set_attn_processor(dict(self._original))  # set_attn_processor consumes its dict
         self._original = None
+
+    def _read_prompt(self, module, args, kwargs):
+        """The text encoder's input ids: a pipeline encodes its prompts first, then (with guidance)
+        the negative prompts; the U-Net call that follows is the first step."""
+        ids = args[0] if args else kwargs["input_ids"]
+        self._encoded.append(ids.tolist())
 
     def _read_call(self, module, args, kwargs):
         sample = args[0] if args else kwargs["sample"]
         self._latent_size = tuple(sample.shape[-2:])
+        if self.pipe is not None:
+            # diffusers' SD pipelines stack (unconditional, conditional) when guidance is on
+            self.cfg = bool(getattr(self.pipe, "do_classifier_free_guidance", False))
+            if self._encoded:
+                conditional = self._encoded[0]
+                unconditional = self._encoded[1] if self.cfg and len(self._encoded) > 1 else conditional
+                both = [*unconditional, *conditional] if self.cfg else conditional
+                traced = {"conditional": conditional, "unconditional": unconditional, "both": both}[self.half]
+                if self.prompt_ids and self.prompt_ids != traced:
+                    raise SdkitError("one trace holds one set of prompts: start a new trace for other prompts")
+                self.prompt_ids, self._encoded = traced, []
         timestep = args[1] if len(args) > 1 else kwargs.get("timestep")
         if timestep is not None:
             self._timestep = int(torch.as_tensor(timestep).flatten()[0].item())
@@ -179,12 +221,13 @@ class CrossAttentionTrace:
         batch = batch_heads // heads
         probs = probs.detach().view(batch, heads, cells, tokens)
         mixed = mixed.detach().view(batch, heads, cells, -1)
-        if self.cfg:
+        if self.cfg and self.half != "both":
             if batch % 2:
                 raise SdkitError(
                     f"cfg=True needs (unconditional, conditional) pairs, but {name} got a batch of {batch}"
                 )
-            probs, mixed = probs[batch // 2 :], mixed[batch // 2 :]
+            keep = slice(batch // 2, None) if self.half == "conditional" else slice(None, batch // 2)
+            probs, mixed = probs[keep], mixed[keep]
         probs, mixed = probs.float(), mixed.float()
         items = probs.shape[0]
         s = self.layers[name]
@@ -283,6 +326,47 @@ class CrossAttentionTrace:
             total = up if total is None else total + up
         return total / len(keys)
 
+    def words(self, item: int = 0) -> list[tuple[str, list[int]]]:
+        """The words of a traced prompt, each with the token positions of its pieces (pipeline
+        traces only: the prompts are read from the text encoder's input)."""
+        from .encoders import token_roles
+
+        if self.pipe is None:
+            raise SdkitError(
+                "words need the pipeline: trace CrossAttentionTrace(pipe, ...), or ask token_maps by position"
+            )
+        if not self.prompt_ids:
+            raise SdkitError("no prompt was traced: call the pipeline inside the trace")
+        if not (isinstance(item, int) and -len(self.prompt_ids) <= item < len(self.prompt_ids)):
+            raise SdkitError(f"item {item!r} is not a traced prompt (the trace holds {len(self.prompt_ids)})")
+        tokenizer, ids = self.pipe.tokenizer, self.prompt_ids[item]
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        roles = token_roles(tokenizer, text, len(ids))
+        if tokenizer(text, padding="max_length", max_length=len(ids), truncation=True)["input_ids"] != ids:
+            raise SdkitError(
+                f"prompt {item} does not tokenize back to the ids its text encoder read; ask token_maps by position"
+            )
+        return roles.words
+
+    def word_map(
+        self, word: str, item: int = 0, layers=None, timesteps=None, head: int | None = None, size="image"
+    ) -> torch.Tensor:
+        """(H, W): the attention of `word` in prompt `item`, its sub-word pieces' maps summed; at the
+        image's size by default ("latent" for the latent grid, or (H, W)). Every occurrence of the
+        word counts; a word the prompt lacks is an error that lists the prompt's words."""
+        words = self.words(item)
+        wanted = " ".join(word.lower().split())
+        positions = [p for w, ps in words if w.lower() == wanted for p in ps]
+        if not positions:
+            raise SdkitError(f"{word!r} is not a word of prompt {item}; its words: {', '.join(w for w, _ in words)}")
+        if size == "image":
+            factor = getattr(self.pipe, "vae_scale_factor", 1)
+            size = tuple(side * factor for side in self._latent_size)
+        elif size == "latent":
+            size = None
+        maps = self.token_maps(item=item, layers=layers, timesteps=timesteps, head=head, size=size)
+        return maps[positions].sum(0)
+
     def save_maps(self, path) -> None:
         """The raw maps, one tensor per (layer, timestep): (items, [heads,] tokens, h, w), the mean over
         calls, as safetensors (atomically)."""
@@ -302,6 +386,26 @@ class CrossAttentionTrace:
                 str(tmp),
                 metadata={"latent_size": json.dumps(self._latent_size), "keep_heads": str(self.keep_heads)},
             )
+
+
+def overlay(image, heat_map: torch.Tensor, alpha: float = 0.5, cmap: str = "inferno"):
+    """`heat_map` (H, W) over `image` (a PIL image, or an (H, W, 3) array in [0, 1]), as a PIL image:
+    the map scaled to [0, 1], coloured, resized to the image and blended in at `alpha`."""
+    import numpy as np
+    from matplotlib import colormaps
+    from PIL import Image
+
+    if not 0 <= alpha <= 1:
+        raise SdkitError(f"alpha must lie in [0, 1], not {alpha}")
+    if not isinstance(image, Image.Image):
+        image = Image.fromarray((np.clip(np.asarray(image, dtype=np.float32), 0, 1) * 255).round().astype(np.uint8))
+    heat = heat_map.detach().float().cpu()
+    if heat.ndim != 2:
+        raise SdkitError(f"a heat map is (H, W), not {list(heat.shape)}")
+    heat = F.interpolate(heat[None, None], size=image.size[::-1], mode="bilinear", align_corners=False)[0, 0]
+    heat = (heat - heat.min()) / (heat.max() - heat.min()).clamp_min(1e-12)
+    coloured = (colormaps[cmap](heat.numpy())[..., :3] * 255).round().astype(np.uint8)
+    return Image.blend(image.convert("RGB"), Image.fromarray(coloured), alpha)
 
 
 def _selected(key, layers, timesteps, all_layers: dict[str, _LayerSums]) -> bool:

@@ -117,14 +117,15 @@ def test_every_python_block_runs_as_written(scratch):
     then what the audit, trace and adapter examples computed is checked."""
     from safetensors.torch import load_file
 
-    ran = {}
+    ran: dict[str, list[dict]] = {}
     for page, marker, _, code in blocks("python"):
         if marker:
             continue
         namespace: dict = {}
         exec(compile(code, str(page), "exec"), namespace)  # noqa: S102 (our own docs)
-        ran[page.stem] = namespace
-    audit, traced, adapted = ran["audit"], ran["condition"], ran["adapter"]
+        ran.setdefault(page.stem, []).append(namespace)
+    (audit,), (traced, in_words), (adapted,) = ran["audit"], ran["condition"], ran["adapter"]
+    assert in_words["cat"].shape == (64, 64) and Path("cat.png").is_file()
     assert audit["a"].attention_blocks["mlp_share"] == pytest.approx(0.5567934304288111, rel=1e-12)
     assert audit["a"].text_width_swap["parameter_change"] == 6_389_760  # to_k, to_v: 2 x 256 x (5x320 + 5x640 + 6x1280)
     maps = load_file("maps.safetensors")
