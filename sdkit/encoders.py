@@ -72,10 +72,12 @@ class TextEncoder:
         return self.tokenize(prompts)["attention_mask"].bool()
 
     @torch.no_grad()
-    def encode(self, prompts: list[str]) -> torch.Tensor:
+    def encode(self, prompts: list[str], cut: bool = False) -> torch.Tensor:
         """Per-token states (batch, max_length, width) from the configured layer. A prompt longer
-        than max_length is refused (see check_length), never cut."""
-        self.check_length(list(prompts))
+        than max_length is refused (see check_length), never cut silently: with `cut=True` it is
+        cut to max_length tokens (its special tokens kept), for a caller that says so."""
+        if not cut:
+            self.check_length(list(prompts))
         device = self.model.device
         if self.pads_with_states:
             tokens = self.tokenize(prompts)

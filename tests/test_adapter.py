@@ -263,7 +263,7 @@ def test_repeated_prompts_are_merged_before_the_split(tiny_pair, tmp_path):
     prompts, merged = distinct_prompts(new, old, [p for _ in range(20) for p in five] + ["A  RED cat on a mat"])
     assert prompts == five and merged == 96
     report = compare_adapters(new, old, five * 20, ("linear",), TrainConfig(max_epochs=1), progress=False)
-    assert report.prompts == {"train": 3, "val": 1, "test": 1, "duplicates_merged": 95}
+    assert report.prompts == {"train": 3, "val": 1, "test": 1, "duplicates_merged": 95, "cut_to_positions": 0}
     assert report.methods["lstsq"]["rel_mse"] > 1e-3  # the held-out prompt was never a training prompt
     assert "95 repeated prompts merged" in format_report(report)
     with pytest.raises(SdkitError, match="too few"):

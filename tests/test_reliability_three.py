@@ -492,3 +492,25 @@ def test_14_emoji_in_a_prompt_draw_without_a_warning(cli, micro_minisd, tmp_path
     )
     assert code == 0, err
     assert not [w for w in recwarn if "Glyph" in str(w.message)]
+
+
+def test_8_generated_prompts_are_cut_and_counted_a_corpus_is_refused(bert):
+    """sdkit's own generated prompts may be cut to the positions a U-Net reads (the report counts
+    them); a user's prompts never are."""
+    from sdkit.adapter import compare_adapters, format_report
+
+    short = bert.max_length
+    bert.context_length = 8  # read at 8 positions, as a mini SD reads 24
+    try:
+        prompts = [
+            f"a {c} {s} at the top left of a blue square"
+            for c in ("red", "green", "blue", "yellow", "cyan")
+            for s in ("circle", "square", "triangle")
+        ]
+        with pytest.raises(SdkitError, match="tokens long"):
+            compare_adapters(bert, bert, prompts, ("linear",), unet=None, progress=False)
+        report = compare_adapters(bert, bert, prompts, ("linear",), unet=None, progress=False, cut_long_prompts=True)
+        assert report.prompts["cut_to_positions"] == 15
+        assert "15 generated prompts cut to the positions the U-Net reads" in format_report(report)
+    finally:
+        bert.context_length = short

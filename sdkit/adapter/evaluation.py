@@ -197,6 +197,7 @@ def compare_adapters(
     checkpoint_dir=None,
     unet_prompts: int = 8,
     seed: int = 0,
+    cut_long_prompts: bool = False,
     progress: bool = True,
 ) -> AdapterReport:
     """Encode (or read the cache), split by prompt, fit lstsq, train the adapters, evaluate every
@@ -212,8 +213,14 @@ def compare_adapters(
         raise SdkitError(f"unknown adapter kind {unknown[0]!r}; choose from {', '.join(KINDS)}")
     if out_dir:
         check_output_folder(out_dir, ADAPTERS_FOLDER, "adapters folder")
-    for encoder in (new, old):  # now, not after the split and minutes of encoding
-        encoder.check_length(prompts)
+    # A prompt longer than the positions read is refused now, not after the split and minutes of
+    # encoding; prompts sdkit generated may instead be cut to those positions, and the report says
+    # how many were (cut_long_prompts).
+    limit = min(new.max_length, old.max_length)
+    long = sum(len(ids) > limit for ids in new.tokenizer(list(prompts))["input_ids"])
+    if long and not cut_long_prompts:
+        for encoder in (new, old):
+            encoder.check_length(prompts)
     prompts, merged = distinct_prompts(new, old, prompts)
     train_idx, val_idx, test_idx = split_by_prompt(
         len(prompts), seed, train_only=[i for i, p in enumerate(prompts) if not p.strip()]
@@ -236,14 +243,20 @@ def compare_adapters(
         if checkpoints[kind]:
             check_checkpoint(checkpoints[kind], run, data_key)
     start = time.perf_counter()
-    data, from_cache = encode_prompts(new, old, prompts, cache_dir, progress=progress)
+    data, from_cache = encode_prompts(new, old, prompts, cache_dir, progress=progress, cut=bool(long))
     encode_seconds = time.perf_counter() - start
     train, val, test = data.subset(train_idx), data.subset(val_idx), data.subset(test_idx)
     x_train, y_train = train.tokens()
     report = AdapterReport(
         new.source,
         old.source,
-        {"train": len(train_idx), "val": len(val_idx), "test": len(test_idx), "duplicates_merged": merged},
+        {
+            "train": len(train_idx),
+            "val": len(val_idx),
+            "test": len(test_idx),
+            "duplicates_merged": merged,
+            "cut_to_positions": long,
+        },
         {"train": len(x_train), "val": int(val.read.sum()), "test": int(test.read.sum())},
         from_cache,
         unet=unet_name,
@@ -367,6 +380,11 @@ def format_report(r: AdapterReport) -> str:
         + (
             f"; {r.prompts['duplicates_merged']:,} repeated prompts merged (the same tokens for both encoders)"
             if r.prompts.get("duplicates_merged")
+            else ""
+        )
+        + (
+            f"; {r.prompts['cut_to_positions']:,} generated prompts cut to the positions the U-Net reads"
+            if r.prompts.get("cut_to_positions")
             else ""
         ),
     ]

@@ -228,6 +228,7 @@ def encode_prompts(
     batch_size: int = 64,
     shard_prompts: int = 1024,
     progress: bool = True,
+    cut: bool = False,
 ) -> tuple[EncodedPrompts, bool]:
     """Encode prompts with both encoders, or read them from the cache; returns (data, from_cache).
 
@@ -260,8 +261,8 @@ def encode_prompts(
     batches = range(0, len(prompts), batch_size)
     for start in tqdm(batches, desc="encoding prompts", unit="batch", disable=None if progress else True):
         batch = prompts[start : start + batch_size]
-        parts["new"].append(new.encode(batch).half().cpu())
-        parts["old"].append(old.encode(batch).half().cpu())
+        parts["new"].append(new.encode(batch, cut=cut).half().cpu())
+        parts["old"].append(old.encode(batch, cut=cut).half().cpu())
     data = {k: torch.cat(v) for k, v in parts.items()}
     data["roles"] = torch.tensor([[ROLE_CODES[r] for r in t.roles] for t in roles], dtype=torch.uint8)
     encoded = EncodedPrompts(prompts, data["new"], data["old"], data["roles"], new.pads_with_states)

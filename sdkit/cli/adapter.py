@@ -102,6 +102,9 @@ def _run_comparison(args, new_dir, old_dir, prompts, note: str | None = None) ->
         args.checkpoints,
         seed=args.seed,
         progress=not args.json,
+        # sdkit's own prompts (generated, or the mini SD's captions) may be cut to what the U-Net
+        # reads, and the report says how many were; a user's corpus is refused instead
+        cut_long_prompts=not getattr(args, "corpus", None),
     )
     table = format_report(report)
     if note:

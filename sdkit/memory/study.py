@@ -175,11 +175,13 @@ def sd_levels(image_sizes=(512, 1024, 2048)) -> list[dict]:
 
 
 def encoder_keys(encoder, prompts: list[str], batch: int = 128) -> torch.Tensor:
-    """Every real token state (no padding) of the prompts: (tokens, width)."""
+    """Every real token state (no padding) of the prompts: (tokens, width). A prompt longer than the
+    positions the encoder is read at is cut to them: the keys are what a model reading it sees
+    (the mini SD reads 24 positions; minisd_keys' source line says how many prompts were cut)."""
     parts = []
     for start in range(0, len(prompts), batch):
         chunk = prompts[start : start + batch]
-        states, real = encoder.encode(chunk).float(), encoder.real_mask(chunk)
+        states, real = encoder.encode(chunk, cut=True).float(), encoder.real_mask(chunk)
         parts.append(states[real])
     return torch.cat(parts)
 
@@ -193,7 +195,12 @@ def minisd_keys(
     with torch.no_grad():
         keys = attention.to_k(states)
     head_dim = keys.shape[1] // attention.heads
-    return keys[:, head * head_dim : (head + 1) * head_dim].contiguous(), f"{layer} head {head}"
+    lengths = [len(ids) for ids in pipe.encoder.tokenizer(prompts)["input_ids"]]
+    cut = sum(length > pipe.encoder.max_length for length in lengths)
+    where = f"{layer} head {head}" + (
+        f"; {cut} of {len(prompts)} prompts cut to its {pipe.encoder.max_length} positions" if cut else ""
+    )
+    return keys[:, head * head_dim : (head + 1) * head_dim].contiguous(), where
 
 
 def run(
