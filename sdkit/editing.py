@@ -1,0 +1,227 @@
+"""Prompt-to-Prompt editing (Hertz et al. 2022) on any diffusers Stable Diffusion pipeline, through
+its attention-processor API: the source prompt and the edited prompt are sampled in one batch from
+the same noise, and during the first part of sampling the edited branch reads the source's
+cross-attention maps, so what the maps placed stays where it was.
+
+    images = edit_sd(pipe, "a red circle at the top left", "a blue circle at the top left",
+                     EditSettings(cross_replace=0.8), num_inference_steps=25, seed=0)
+    # images[0]: the source; images[1]: the edit
+
+The tokens of the two prompts are aligned (sdkit.editing.align): a swapped word takes the map of the
+word it replaces (word swap), words added by the edit keep their own maps (refinement), and the
+common words take the source's. `reweight` scales a word's attention in the edited branch (P2P's
+equaliser; 1 changes nothing), and `self_replace` injects the source's self-attention at the coarse
+levels for the first part of sampling. Only the conditional half of classifier-free guidance is
+edited, as P2P does; a layer or step with nothing to edit runs its own processor, to the bit.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+
+import torch
+
+from .common import SdkitError
+
+
+@dataclass
+class EditSettings:
+    """What Prompt-to-Prompt injects, and for how long (fractions of the denoising steps)."""
+
+    cross_replace: float = 0.8  # the first this fraction of steps read the source's cross-attention
+    self_replace: float = 0.0  # ... and the source's self-attention, at layers of at most self_max_cells
+    self_max_cells: int = 256  # P2P's 16x16 on SD's 64x64 latent: the coarse levels only
+    reweight: dict[str, float] = field(default_factory=dict)  # word of the edited prompt -> factor
+
+    def check(self) -> None:
+        for name in ("cross_replace", "self_replace"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 <= value <= 1):
+                raise SdkitError(f"{name} is a fraction of the steps, 0 to 1, not {value!r}")
+        for word, factor in self.reweight.items():
+            if not (isinstance(factor, (int, float)) and 0 <= factor < float("inf")):
+                raise SdkitError(f"the reweight of {word!r} must be a finite factor of 0 or more, not {factor!r}")
+
+    def title(self) -> str:
+        """What was injected and for how long, in a few words (for pictures and tables)."""
+        parts = [f"source cross-attention for the first {self.cross_replace:.0%} of steps"]
+        if self.self_replace:
+            parts.append(f"self-attention for the first {self.self_replace:.0%}")
+        parts += [f"{word} x{factor:g}" for word, factor in self.reweight.items()]
+        return ", ".join(parts)
+
+
+def align(source_ids: list[int], edited_ids: list[int]) -> list[int]:
+    """For each token position of the edited prompt, the source position whose map it reads, or -1
+    for a token the edit added (it keeps its own map). Equal runs map to each other; a run replaced
+    by one of the same length maps position by position (word swap: the new word takes the old
+    word's map); anything else is new (refinement)."""
+    mapper = [-1] * len(edited_ids)
+    matcher = difflib.SequenceMatcher(a=source_ids, b=edited_ids, autojunk=False)
+    for tag, a0, a1, b0, b1 in matcher.get_opcodes():
+        if tag == "equal" or (tag == "replace" and a1 - a0 == b1 - b0):
+            for offset in range(b1 - b0):
+                mapper[b0 + offset] = a0 + offset
+    return mapper
+
+
+class EditProcessor:
+    """An attention layer's processor during an edit: diffusers' AttnProcessor computation with the
+    edited branch's weights replaced where the edit says, or the layer's own processor (to the
+    bit) where it has nothing to do."""
+
+    def __init__(self, edit: PromptEdit, name: str, original, cross: bool):
+        self.edit, self.name, self.original, self.cross = edit, name, original, cross
+
+    def __call__(
+        self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None, *args, **kwargs
+    ):
+        cells = hidden_states.shape[-2] * hidden_states.shape[-1] if hidden_states.ndim == 4 else hidden_states.shape[1]
+        if not self.edit.acts(self.cross, cells):
+            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, temb, *args, **kwargs)
+        residual = hidden_states
+        if attn.spatial_norm is not None:
+            hidden_states = attn.spatial_norm(hidden_states, temb)
+        input_ndim = hidden_states.ndim
+        if input_ndim == 4:
+            batch_size, channel, height, width = hidden_states.shape
+            hidden_states = hidden_states.view(batch_size, channel, height * width).transpose(1, 2)
+        batch_size, sequence_length, _ = (
+            hidden_states.shape if encoder_hidden_states is None else encoder_hidden_states.shape
+        )
+        attention_mask = attn.prepare_attention_mask(attention_mask, sequence_length, batch_size)
+        if attn.group_norm is not None:
+            hidden_states = attn.group_norm(hidden_states.transpose(1, 2)).transpose(1, 2)
+        query = attn.to_q(hidden_states)
+        if encoder_hidden_states is None:
+            encoder_hidden_states = hidden_states
+        elif attn.norm_cross:
+            encoder_hidden_states = attn.norm_encoder_hidden_states(encoder_hidden_states)
+        key = attn.head_to_batch_dim(attn.to_k(encoder_hidden_states))
+        value = attn.head_to_batch_dim(attn.to_v(encoder_hidden_states))
+        probs = attn.get_attention_scores(attn.head_to_batch_dim(query), key, attention_mask)
+        probs = self.edit.edited(self.name, probs, attn.heads, self.cross)
+        hidden_states = attn.batch_to_head_dim(torch.bmm(probs, value))
+        hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))
+        if input_ndim == 4:
+            hidden_states = hidden_states.transpose(-1, -2).reshape(batch_size, channel, height, width)
+        if attn.residual_connection:
+            hidden_states = hidden_states + residual
+        return hidden_states / attn.rescale_output_factor
+
+
+class PromptEdit:
+    """Context manager: Prompt-to-Prompt on a U-Net called with the batch (source, edited), or with
+    classifier-free guidance ((source, edited) unconditional, then (source, edited) conditional).
+
+    source_ids, edited_ids: the two prompts' token ids as the U-Net reads them; reweight: word ->
+    (its token positions in the edited prompt, factor); steps: the denoising steps of the call.
+    With `record`, every edited layer's conditional weights of both branches are kept in
+    `recorded[(layer, step)]` as (source, edited), each (heads, cells, tokens).
+    """
+
+    def __init__(self, unet, source_ids: list[int], edited_ids: list[int], settings: EditSettings, steps: int,
+                 reweight: dict[str, tuple[list[int], float]] | None = None, record: bool = False):  # fmt: skip
+        settings.check()
+        if len(source_ids) != len(edited_ids):
+            raise SdkitError(
+                f"the prompts are read at {len(source_ids)} and {len(edited_ids)} tokens; one length for both"
+            )
+        self.unet, self.settings, self.steps = unet, settings, steps
+        self.mapper = torch.tensor(align(source_ids, edited_ids))
+        self.equalizer = torch.ones(len(edited_ids))
+        for positions, factor in (reweight or {}).values():
+            self.equalizer[positions] = factor
+        self.cross_steps = round(settings.cross_replace * steps)
+        self.self_steps = round(settings.self_replace * steps)
+        self.step, self.cfg = -1, False
+        self.recorded: dict | None = {} if record else None
+        self._original = None
+        self._hook = None
+
+    def __enter__(self) -> PromptEdit:
+        self._original = self.unet.attn_processors
+        replaced = {
+            name: EditProcessor(self, name.removesuffix(".processor"), processor, name.endswith("attn2.processor"))
+            for name, processor in self._original.items()
+        }
+        self.unet.set_attn_processor(replaced)
+        self._hook = self.unet.register_forward_pre_hook(self._count, with_kwargs=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hook.remove()
+        self.unet.set_attn_processor(dict(self._original))
+        self._original = None
+
+    def _count(self, module, args, kwargs):
+        sample = args[0] if args else kwargs["sample"]
+        if len(sample) not in (2, 4):
+            raise SdkitError(
+                f"an edit runs the batch (source, edited), with or without guidance; the U-Net got {len(sample)}"
+            )
+        self.cfg = len(sample) == 4
+        self.step += 1
+
+    def acts(self, cross: bool, cells: int) -> bool:
+        """Whether this call of a layer has anything to edit."""
+        if cross:
+            return self.step < self.cross_steps
+        return self.step < self.self_steps and cells <= self.settings.self_max_cells
+
+    def edited(self, name: str, probs: torch.Tensor, heads: int, cross: bool) -> torch.Tensor:
+        """The weights (batch * heads, cells, tokens) with the conditional edited branch's replaced."""
+        batch = probs.shape[0] // heads
+        probs = probs.view(batch, heads, *probs.shape[1:]).clone()
+        source, edited = (2, 3) if self.cfg else (0, 1)
+        if cross:
+            mapper = self.mapper.to(probs.device)
+            from_source = probs[source][..., mapper.clamp_min(0)]
+            new = torch.where(mapper >= 0, from_source, probs[edited])
+            probs[edited] = new * self.equalizer.to(probs.device, probs.dtype)
+        else:
+            probs[edited] = probs[source]
+        if self.recorded is not None:
+            self.recorded[(name, self.step)] = (probs[source].detach().clone(), probs[edited].detach().clone())
+        return probs.view(batch * heads, *probs.shape[2:])
+
+
+def prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """The token ids a stock SD pipeline's text encoder reads for `prompt` (padded to the
+    tokenizer's length; a longer prompt is refused, not cut)."""
+    ids = tokenizer(prompt, padding="max_length", max_length=tokenizer.model_max_length, truncation=False)["input_ids"]
+    if len(ids) > tokenizer.model_max_length:
+        raise SdkitError(f"{prompt[:40]!r}... is {len(ids):,} tokens long; the text encoder reads "
+                         f"{tokenizer.model_max_length}: shorten it")  # fmt: skip
+    return ids
+
+
+def word_positions(tokenizer, prompt: str, word: str) -> list[int]:
+    """The token positions of `word` (its pieces, every occurrence) in `prompt`."""
+    from .encoders import token_roles
+
+    words = token_roles(tokenizer, prompt, tokenizer.model_max_length).words
+    wanted = " ".join(word.lower().split())
+    positions = [p for w, ps in words if w.lower() == wanted for p in ps]
+    if not positions:
+        raise SdkitError(f"{word!r} is not a word of {prompt!r}; its words: {', '.join(w for w, _ in words)}")
+    return positions
+
+
+def edit_sd(pipe, source: str, edited: str | None, settings: EditSettings | None = None,
+            num_inference_steps: int = 50, guidance_scale: float = 7.5, seed: int = 0, output_type: str = "pil"):  # fmt: skip
+    """Prompt-to-Prompt on a stock diffusers StableDiffusionPipeline: the source and the edited
+    prompt (the source itself when None: a reweight alone) in one batch from the same noise, the
+    pipeline's own sampling loop. Returns the pipeline's images, [source, edited]."""
+    settings = settings or EditSettings()
+    edited = source if edited is None else edited
+    ids = [prompt_ids(pipe.tokenizer, prompt) for prompt in (source, edited)]
+    reweight = {word: (word_positions(pipe.tokenizer, edited, word), f) for word, f in settings.reweight.items()}
+    height = width = pipe.unet.config.sample_size * pipe.vae_scale_factor
+    shape = (1, pipe.unet.config.in_channels, height // pipe.vae_scale_factor, width // pipe.vae_scale_factor)
+    noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(pipe.device, pipe.unet.dtype)
+    with PromptEdit(pipe.unet, *ids, settings, num_inference_steps, reweight):
+        out = pipe([source, edited], num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
+                   latents=noise.expand(2, *shape[1:]).clone(), output_type=output_type)  # fmt: skip
+    return out.images

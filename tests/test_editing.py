@@ -1,0 +1,117 @@
+"""Prompt-to-Prompt on a stock diffusers SD pipeline: the exactness the method promises, on the tiny
+random pipeline (random weights: these test the mechanics, not what an edit does to a picture)."""
+
+import numpy as np
+import pytest
+import torch
+
+from sdkit.common import SdkitError
+from sdkit.editing import EditSettings, PromptEdit, align, edit_sd, prompt_ids
+
+SOURCE, EDITED = "a red cat on a blue chair", "a blue cat on a blue chair"  # red -> blue: one token each
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_sd):
+    pipe, _ = tiny_sd
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def plain(pipe, prompts, seed=0):
+    """The pipeline's own call on the batch (source, edited) from one noise, as edit_sd draws it."""
+    noise = torch.randn((1, 4, 32, 32), generator=torch.Generator().manual_seed(seed))
+    return pipe(
+        list(prompts), num_inference_steps=STEPS, latents=noise.expand(2, 4, 32, 32).clone(), output_type="np"
+    ).images
+
+
+def test_tokens_align_by_swap_and_by_refinement():
+    #        bos  a  red  cat on  eos pad
+    source = [0, 10, 11, 12, 13, 1, 1, 1]
+    assert align(source, [0, 10, 14, 12, 13, 1, 1, 1]) == [0, 1, 2, 3, 4, 5, 6, 7]  # red -> green: swapped in place
+    refined = align(source, [0, 10, 11, 15, 12, 13, 1, 1])  # "fluffy" added before cat
+    assert refined == [0, 1, 2, -1, 3, 4, 5, 6]
+
+
+def test_with_nothing_to_edit_the_edited_branch_is_the_plain_call_to_the_bit(pipe):
+    edited = edit_sd(pipe, SOURCE, EDITED, EditSettings(cross_replace=0.0), STEPS, output_type="np")
+    assert np.array_equal(edited, plain(pipe, [SOURCE, EDITED]))
+
+
+def test_a_reweight_of_one_changes_nothing(pipe):
+    settings = EditSettings(cross_replace=0.6)
+    base = edit_sd(pipe, SOURCE, EDITED, settings, STEPS, output_type="np")
+    same = edit_sd(
+        pipe, SOURCE, EDITED, EditSettings(cross_replace=0.6, reweight={"blue": 1.0}), STEPS, output_type="np"
+    )
+    assert np.array_equal(base, same)
+    louder = edit_sd(
+        pipe, SOURCE, EDITED, EditSettings(cross_replace=0.6, reweight={"blue": 3.0}), STEPS, output_type="np"
+    )
+    assert not np.array_equal(base[1], louder[1])
+
+
+def test_injected_maps_are_the_sources_at_every_layer_and_step(pipe):
+    """cross_replace = 1, prompts whose tokens align and no self-attention injection: at every
+    cross-attention layer and step the edited branch reads the source's weights, and only there."""
+    ids = [prompt_ids(pipe.tokenizer, p) for p in (SOURCE, EDITED)]
+    noise = torch.randn((1, 4, 32, 32), generator=torch.Generator().manual_seed(0))
+    with PromptEdit(pipe.unet, *ids, EditSettings(cross_replace=1.0), STEPS, record=True) as edit:
+        edited = pipe(
+            [SOURCE, EDITED], num_inference_steps=STEPS, latents=noise.expand(2, 4, 32, 32).clone(), output_type="np"
+        ).images
+    cross = [n.removesuffix(".processor") for n in pipe.unet.attn_processors if n.endswith("attn2.processor")]
+    assert sorted(edit.recorded) == sorted((layer, step) for layer in cross for step in range(STEPS))
+    for source, edited_probs in edit.recorded.values():
+        assert torch.equal(source, edited_probs)
+    # and the edit did something: the edited image is not the plain call's
+    assert not np.allclose(edited[1], plain(pipe, [SOURCE, EDITED])[1])
+    # the processors are the pipeline's own again
+    assert all(type(p).__name__ != "EditProcessor" for p in pipe.unet.attn_processors.values())
+
+
+def test_self_attention_is_injected_only_at_coarse_levels_and_early_steps(pipe):
+    ids = [prompt_ids(pipe.tokenizer, p) for p in (SOURCE, EDITED)]
+    settings = EditSettings(cross_replace=0.0, self_replace=0.5, self_max_cells=256)
+    with PromptEdit(pipe.unet, *ids, settings, 4, record=True) as edit:
+        pipe([SOURCE, EDITED], num_inference_steps=4)
+    layers = {layer for layer, _ in edit.recorded}
+    assert layers and all(layer.endswith("attn1") for layer in layers)
+    assert {step for _, step in edit.recorded} == {0, 1}
+    # the tiny U-Net's levels: 32x32 (1,024 cells, left alone) and 16x16 (256 cells, injected)
+    assert all(source.shape[1] <= 256 for source, _ in edit.recorded.values())
+    assert all(torch.equal(source, edited) for source, edited in edit.recorded.values())
+
+
+@pytest.mark.parametrize(
+    "settings, words",
+    [
+        (EditSettings(cross_replace=1.5), "cross_replace is a fraction"),
+        (EditSettings(reweight={"blue": -1.0}), "must be a finite factor"),
+    ],
+)
+def test_bad_settings_are_refused(pipe, settings, words):
+    with pytest.raises(SdkitError, match=words):
+        edit_sd(pipe, SOURCE, EDITED, settings, STEPS)
+
+
+def test_a_reweighted_word_the_prompt_lacks_is_refused(pipe):
+    with pytest.raises(SdkitError, match="'purple' is not a word of 'a blue cat on a blue chair'"):
+        edit_sd(pipe, SOURCE, EDITED, EditSettings(reweight={"purple": 2.0}), STEPS)
+
+
+def test_refinement_keeps_the_new_words_maps_and_aligns_the_rest(pipe):
+    """'green' is four tokens where 'red' is one: the words around it read the source's maps at
+    their aligned positions, green's pieces keep their own."""
+    refined = "a green cat on a blue chair"
+    ids = [prompt_ids(pipe.tokenizer, p) for p in (SOURCE, refined)]
+    mapper = align(*ids)
+    assert mapper[:12] == [0, 1, -1, -1, -1, -1, 3, 4, 5, 6, 7, 8]  # bos, a, green (new), cat, on, a, blue, chair
+    with PromptEdit(pipe.unet, *ids, EditSettings(cross_replace=1.0), 2, record=True) as edit:
+        pipe([SOURCE, refined], num_inference_steps=2)
+    kept = torch.tensor([j for j, i in enumerate(mapper) if i >= 0])
+    for source, edited in edit.recorded.values():
+        assert torch.equal(edited[..., kept], source[..., torch.tensor(mapper)[kept]])
+        assert not torch.equal(edited[..., 2:6], source[..., 2:6])  # green's own attention, not red's
