@@ -267,11 +267,12 @@ def draw_composition(pipe, result: dict, path, shown: int = 4) -> None:
             va="center",
             fontsize=6.5,
         )
-    fig.suptitle(
+    title = (
         f"{result['model']}: the same seeds unsteered and steered by {'+'.join(result['best'])}, with each "
-        f"shape word's attention (all layers, the image noised to t={MAP_TIMESTEP})",
-        fontsize=8,
+        f"shape word's attention (all layers, the image noised to t={MAP_TIMESTEP})"
     )
+    # wrapped to the figure's width (about 16 characters an inch at this size), not run off its edge
+    fig.suptitle(textwrap.fill(title, int(16 * fig.get_figwidth())), fontsize=8)
     save_figure(fig, path)
 
 

@@ -225,6 +225,8 @@ def draw_comparison(c: TokenComparison, path) -> None:
         ax.set_xticks(np.arange(len(names)) + 0.4 - width / 2, names, rotation=30, ha="right", fontsize=7)
         ax.set(ylim=(0, 112), title=f"{set_name}")
         ax.set_ylabel("% correct" if column == 0 else "", fontsize=8)
+        # one scale for both panels: the second's tick labels would stand on the first's last bars
+        ax.tick_params(labelleft=column == 0)
         ax.legend(fontsize=6, ncol=4, loc="upper right")
     for row in range(prompts):
         for column, name in enumerate(names):
