@@ -112,27 +112,39 @@ class EditProcessor:
 
 
 class PromptEdit:
-    """Context manager: Prompt-to-Prompt on a U-Net called with the batch (source, edited), or with
-    classifier-free guidance ((source, edited) unconditional, then (source, edited) conditional).
+    """Context manager: Prompt-to-Prompt on a U-Net called with the batch (source 1, edited 1,
+    source 2, edited 2, ...), or with classifier-free guidance that batch unconditional, then
+    conditional (as diffusers' pipelines and the mini SD's stack them).
 
-    source_ids, edited_ids: the two prompts' token ids as the U-Net reads them; reweight: word ->
-    (its token positions in the edited prompt, factor); steps: the denoising steps of the call.
-    With `record`, every edited layer's conditional weights of both branches are kept in
-    `recorded[(layer, step)]` as (source, edited), each (heads, cells, tokens).
+    source_ids, edited_ids: each pair's token ids as the U-Net reads them (one list for one pair,
+    or a list of lists); reweight: word -> (its token positions in the edited prompt, factor), or
+    one such dict per pair; steps: the denoising steps of the call. With `record`, every edited
+    layer's conditional weights of both branches are kept in `recorded[(layer, step)]` as
+    (source, edited), each (pairs, heads, cells, tokens), the pair axis dropped for one pair.
     """
 
-    def __init__(self, unet, source_ids: list[int], edited_ids: list[int], settings: EditSettings, steps: int,
-                 reweight: dict[str, tuple[list[int], float]] | None = None, record: bool = False):  # fmt: skip
+    def __init__(
+        self, unet, source_ids, edited_ids, settings: EditSettings, steps: int, reweight=None, record: bool = False
+    ):
         settings.check()
-        if len(source_ids) != len(edited_ids):
+        one = bool(source_ids) and isinstance(source_ids[0], int)
+        sources, edits = ([source_ids], [edited_ids]) if one else (list(source_ids), list(edited_ids))
+        reweights = [reweight or {}] if one or reweight is None or isinstance(reweight, dict) else list(reweight)
+        reweights = reweights * len(sources) if len(reweights) == 1 else reweights
+        if not sources or len(sources) != len(edits) or len(reweights) != len(sources):
             raise SdkitError(
-                f"the prompts are read at {len(source_ids)} and {len(edited_ids)} tokens; one length for both"
+                f"{len(sources)} source prompts need as many edited prompts (and reweights), not {len(edits)}"
             )
-        self.unet, self.settings, self.steps = unet, settings, steps
-        self.mapper = torch.tensor(align(source_ids, edited_ids))
-        self.equalizer = torch.ones(len(edited_ids))
-        for positions, factor in (reweight or {}).values():
-            self.equalizer[positions] = factor
+        lengths = {len(ids) for ids in (*sources, *edits)}
+        if len(lengths) != 1:
+            raise SdkitError(f"the prompts are read at {sorted(lengths)} tokens; one length for all")
+        self.unet, self.settings, self.steps, self.one = unet, settings, steps, one
+        self.pairs = len(sources)
+        self.mapper = torch.tensor([align(a, b) for a, b in zip(sources, edits)])  # (pairs, tokens)
+        self.equalizer = torch.ones(self.mapper.shape)
+        for pair, words in enumerate(reweights):
+            for positions, factor in words.values():
+                self.equalizer[pair, positions] = factor
         self.cross_steps = round(settings.cross_replace * steps)
         self.self_steps = round(settings.self_replace * steps)
         self.step, self.cfg = -1, False
@@ -157,11 +169,12 @@ class PromptEdit:
 
     def _count(self, module, args, kwargs):
         sample = args[0] if args else kwargs["sample"]
-        if len(sample) not in (2, 4):
+        if len(sample) not in (2 * self.pairs, 4 * self.pairs):
             raise SdkitError(
-                f"an edit runs the batch (source, edited), with or without guidance; the U-Net got {len(sample)}"
+                f"an edit of {self.pairs} pair(s) runs the batch (source, edited) per pair, with or without "
+                f"guidance; the U-Net got {len(sample)}"
             )
-        self.cfg = len(sample) == 4
+        self.cfg = len(sample) == 4 * self.pairs
         self.step += 1
 
     def acts(self, cross: bool, cells: int) -> bool:
@@ -171,19 +184,23 @@ class PromptEdit:
         return self.step < self.self_steps and cells <= self.settings.self_max_cells
 
     def edited(self, name: str, probs: torch.Tensor, heads: int, cross: bool) -> torch.Tensor:
-        """The weights (batch * heads, cells, tokens) with the conditional edited branch's replaced."""
+        """The weights (batch * heads, cells, tokens) with the conditional edited branches' replaced."""
         batch = probs.shape[0] // heads
         probs = probs.view(batch, heads, *probs.shape[1:]).clone()
-        source, edited = (2, 3) if self.cfg else (0, 1)
+        first = 2 * self.pairs if self.cfg else 0
+        sources = torch.arange(first, first + 2 * self.pairs, 2, device=probs.device)
+        edits = sources + 1
         if cross:
-            mapper = self.mapper.to(probs.device)
-            from_source = probs[source][..., mapper.clamp_min(0)]
-            new = torch.where(mapper >= 0, from_source, probs[edited])
-            probs[edited] = new * self.equalizer.to(probs.device, probs.dtype)
+            mapper = self.mapper.to(probs.device)  # (pairs, tokens)
+            index = mapper.clamp_min(0)[:, None, None, :].expand(-1, heads, probs.shape[2], -1)
+            from_source = torch.gather(probs[sources], -1, index)
+            new = torch.where((mapper >= 0)[:, None, None, :], from_source, probs[edits])
+            probs[edits] = new * self.equalizer.to(probs.device, probs.dtype)[:, None, None, :]
         else:
-            probs[edited] = probs[source]
+            probs[edits] = probs[sources]
         if self.recorded is not None:
-            self.recorded[(name, self.step)] = (probs[source].detach().clone(), probs[edited].detach().clone())
+            pair = (probs[sources].detach().clone(), probs[edits].detach().clone())
+            self.recorded[(name, self.step)] = tuple(t[0] for t in pair) if self.one else pair
         return probs.view(batch * heads, *probs.shape[2:])
 
 
@@ -192,8 +209,10 @@ def prompt_ids(tokenizer, prompt: str) -> list[int]:
     tokenizer's length; a longer prompt is refused, not cut)."""
     ids = tokenizer(prompt, padding="max_length", max_length=tokenizer.model_max_length, truncation=False)["input_ids"]
     if len(ids) > tokenizer.model_max_length:
-        raise SdkitError(f"{prompt[:40]!r}... is {len(ids):,} tokens long; the text encoder reads "
-                         f"{tokenizer.model_max_length}: shorten it")  # fmt: skip
+        raise SdkitError(
+            f"{prompt[:40]!r}... is {len(ids):,} tokens long; the text encoder reads "
+            f"{tokenizer.model_max_length}: shorten it"
+        )
     return ids
 
 
@@ -209,8 +228,16 @@ def word_positions(tokenizer, prompt: str, word: str) -> list[int]:
     return positions
 
 
-def edit_sd(pipe, source: str, edited: str | None, settings: EditSettings | None = None,
-            num_inference_steps: int = 50, guidance_scale: float = 7.5, seed: int = 0, output_type: str = "pil"):  # fmt: skip
+def edit_sd(
+    pipe,
+    source: str,
+    edited: str | None,
+    settings: EditSettings | None = None,
+    num_inference_steps: int = 50,
+    guidance_scale: float = 7.5,
+    seed: int = 0,
+    output_type: str = "pil",
+):
     """Prompt-to-Prompt on a stock diffusers StableDiffusionPipeline: the source and the edited
     prompt (the source itself when None: a reweight alone) in one batch from the same noise, the
     pipeline's own sampling loop. Returns the pipeline's images, [source, edited]."""
@@ -222,6 +249,11 @@ def edit_sd(pipe, source: str, edited: str | None, settings: EditSettings | None
     shape = (1, pipe.unet.config.in_channels, height // pipe.vae_scale_factor, width // pipe.vae_scale_factor)
     noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(pipe.device, pipe.unet.dtype)
     with PromptEdit(pipe.unet, *ids, settings, num_inference_steps, reweight):
-        out = pipe([source, edited], num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
-                   latents=noise.expand(2, *shape[1:]).clone(), output_type=output_type)  # fmt: skip
+        out = pipe(
+            [source, edited],
+            num_inference_steps=num_inference_steps,
+            guidance_scale=guidance_scale,
+            latents=noise.expand(2, *shape[1:]).clone(),
+            output_type=output_type,
+        )
     return out.images

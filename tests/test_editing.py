@@ -115,3 +115,100 @@ def test_refinement_keeps_the_new_words_maps_and_aligns_the_rest(pipe):
     for source, edited in edit.recorded.values():
         assert torch.equal(edited[..., kept], source[..., torch.tensor(mapper)[kept]])
         assert not torch.equal(edited[..., 2:6], source[..., 2:6])  # green's own attention, not red's
+
+
+# --- on the mini SD: edit sets, the judge of an edit, the command ------------------------------------
+
+
+def test_edit_sets_change_one_attribute_in_the_same_words():
+    from sdkit.minisd.edit import EDITS, edit_set
+
+    for kind in EDITS:
+        for source, edited in edit_set(kind, 16):
+            a, b = source.caption.split(), edited.caption.split()
+            assert len(a) == len(b) and sum(x != y for x, y in zip(a, b)) == 1, (source.caption, edited.caption)
+            if kind == "relation":
+                assert {o.column for o in source.objects} == {o.column for o in edited.objects}
+                assert source.objects[0].column == edited.objects[1].column
+
+
+def test_the_judge_of_an_edit_on_the_generators_own_images():
+    """Rendered by the generator (the answer key): the edited scene's image is edited and kept; the
+    source image itself is kept but not edited; an image whose object moved is not kept."""
+    import random
+
+    from sdkit.minisd.data import render
+    from sdkit.minisd.edit import EDITS, edit_set, judge_edit
+
+    for kind in EDITS:
+        for i, (source, edited) in enumerate(edit_set(kind, 8)):
+            before = render(source, 32, random.Random(i)).image
+            after = render(edited, 32, random.Random(i)).image
+            assert judge_edit(kind, before, after, source, edited) == {"edited": True, "kept": True, "both": True}, (
+                kind,
+                source.caption,
+            )
+            assert judge_edit(kind, before, before, source, edited)["edited"] is False
+    source, edited = edit_set("colour_single", 1)[0]
+    moved = edited.objects[0]
+    elsewhere = type(edited)(
+        (type(moved)(moved.colour, moved.shape, (moved.row + 1) % 3, moved.column),), None, edited.template
+    )
+    before, after = render(source, 32, random.Random(0)).image, render(elsewhere, 32, random.Random(0)).image
+    assert judge_edit("colour_single", before, after, source, edited)["kept"] is False
+
+
+def test_batched_pairs_edit_as_pairs_alone(micro_minisd):
+    from sdkit.minisd.edit import edit_images
+    from sdkit.minisd.pipeline import MiniSDPipeline
+
+    folder, encoder = micro_minisd
+    pipe = MiniSDPipeline.from_pretrained(folder, encoder)
+    sources = ["a red circle at the top left", "a blue square at the bottom"]
+    edits = ["a green circle at the top left", "a blue triangle at the bottom"]
+    settings = EditSettings(cross_replace=0.5)
+    together = edit_images(pipe, sources, edits, settings, [3, 4], steps=2)
+    for k in range(2):
+        alone = edit_images(pipe, sources[k : k + 1], edits[k : k + 1], settings, [3 + k], steps=2)
+        assert np.allclose(together[0][k], alone[0][0], atol=1e-4) and np.allclose(
+            together[1][k], alone[1][0], atol=1e-4
+        )
+
+
+def test_the_edit_command(cli, micro_minisd, tmp_path):
+    import json
+
+    from tests.test_reliability import one_line
+
+    folder, encoder = micro_minisd
+    base = [
+        "minisd",
+        "edit",
+        "a red circle at the top left",
+        "--model",
+        folder,
+        "--text-encoder",
+        encoder,
+        "--steps",
+        "2",
+    ]
+    code, out, err = cli(
+        *base,
+        "--to",
+        "a blue circle at the top left",
+        "--seeds",
+        "2",
+        "--out",
+        tmp_path / "e.png",
+        "--json-out",
+        tmp_path / "e.json",
+    )
+    assert code == 0, err
+    assert (tmp_path / "e.png").is_file() and "source cross-attention for the first 80% of steps" in out
+    record = json.loads((tmp_path / "e.json").read_text())
+    assert record["seeds"] == [0, 1] and record["edited_prompt"] == "a blue circle at the top left"
+    code, _, err = cli(*base, "--reweight", "red=2", "--out", tmp_path / "r.png", "--seeds", "1")
+    assert code == 0, err
+    assert "give the edited prompt" in one_line(*cli(*base, "--out", tmp_path / "x.png")[::2])
+    assert "a reweight is" in one_line(*cli(*base, "--reweight", "red", "--out", tmp_path / "x.png")[::2])
+    assert "'purple' is not a word" in one_line(*cli(*base, "--reweight", "purple=2", "--out", tmp_path / "x.png")[::2])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from dataclasses import asdict
 
@@ -15,6 +16,7 @@ from .common import (
     Parser,
     add_json,
     add_subcommand,
+    at_most,
     cache_folder,
     check_input,
     check_outputs,
@@ -246,6 +248,65 @@ def cmd_minisd_eval(args) -> None:
     show_result(args, ev.to_json(), table)
 
 
+def _reweights(text: str) -> dict[str, float]:
+    """--reweight WORD=FACTOR[,WORD=FACTOR]"""
+    out = {}
+    for part in (p for p in text.split(",") if p):
+        word, _, factor = part.partition("=")
+        try:
+            out[word.strip()] = float(factor)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"a reweight is WORD=FACTOR (e.g. blue=2.0), not {part!r}") from None
+        if not word.strip() or not math.isfinite(out[word.strip()]) or out[word.strip()] < 0:
+            raise argparse.ArgumentTypeError(f"a reweight is a word and a finite factor of 0 or more, not {part!r}")
+    if not out:
+        raise argparse.ArgumentTypeError(f"a reweight is WORD=FACTOR (e.g. blue=2.0), not {text!r}")
+    return out
+
+
+def cmd_minisd_edit(args) -> None:
+    check_outputs(args, pictures=("out",))
+    from ..editing import EditSettings
+    from ..minisd.edit import draw_edits, edit_images
+
+    if args.first_seed + args.seeds > 2**63:
+        raise SdkitError(f"--first-seed {args.first_seed} + {args.seeds} seeds passes the largest seed, 2^63 - 1")
+    settings = EditSettings(
+        cross_replace=args.cross_replace, self_replace=args.self_replace, reweight=args.reweight or {}
+    )
+    settings.check()
+    edited_prompt = args.to if args.to is not None else args.prompt
+    if args.to is None and not args.reweight:
+        raise SdkitError("give the edited prompt (--to) or a reweight (--reweight WORD=FACTOR), or both")
+    pipe = _pipeline(args)
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
+    sources, edits = [args.prompt] * len(seeds), [edited_prompt] * len(seeds)
+    with progress_bar(args, total=4 * len(seeds), desc="editing", unit="image") as bar:
+        plain_settings = EditSettings(cross_replace=0.0)  # the edited prompt regenerated, same seed
+        source_images, plain = edit_images(
+            pipe, sources, edits, plain_settings, seeds, args.steps, args.guidance, progress=bar
+        )
+        _, edited = edit_images(pipe, sources, edits, settings, seeds, args.steps, args.guidance, progress=bar)
+    title = f"{_model_name(args.model, pipe)}: Prompt-to-Prompt, {settings.title()} (DDIM {args.steps} steps, guidance {args.guidance:g})"
+    draw_edits(source_images, plain, edited, args.prompt, edited_prompt, seeds, args.out, title)
+    show_result(
+        args,
+        {
+            "model": args.model,
+            "prompt": args.prompt,
+            "edited_prompt": edited_prompt,
+            "seeds": seeds,
+            "cross_replace": settings.cross_replace,
+            "self_replace": settings.self_replace,
+            "reweight": settings.reweight,
+            "steps": args.steps,
+            "guidance_scale": args.guidance,
+            "picture": args.out,
+        },
+        f"wrote {args.out}: {len(seeds)} seeds of source, regenerated and edited ({settings.title()})",
+    )
+
+
 def register(sub) -> None:
     p = sub.add_parser(
         "minisd",
@@ -435,6 +496,39 @@ def register(sub) -> None:
     q.add_argument("--out", default="minisd-samples.png", help="the PNG grid")
     sampling_options(q)
     q.set_defaults(minisd_func=cmd_minisd_sample)
+
+    q = add_subcommand(minisd_sub, "edit", "edit an image with Prompt-to-Prompt: source, regenerated and edited")
+    q.add_argument("prompt", help="the source prompt, e.g. 'a red circle at the top left'")
+    q.add_argument("--to", metavar="PROMPT", help="the edited prompt, e.g. 'a blue circle at the top left'")
+    q.add_argument(
+        "--reweight",
+        type=_reweights,
+        metavar="WORD=FACTOR",
+        help="scale a word's attention in the edited prompt, e.g. blue=2.0 (comma-separated for several)",
+    )
+    q.add_argument(
+        "--cross-replace",
+        type=nonnegative_float,
+        default=0.8,
+        help="the fraction of steps whose cross-attention the edit reads from the source",
+    )
+    q.add_argument(
+        "--self-replace",
+        type=nonnegative_float,
+        default=0.0,
+        help="the fraction of steps whose coarse self-attention is the source's",
+    )
+    q.add_argument(
+        "--seeds", type=at_most(256, "a picture holds 256 rows"), default=4, help="edits (seeds first-seed, +1, ...)"
+    )
+    q.add_argument("--first-seed", type=seed, default=0, help="seed of the first edit")
+    q.add_argument("--out", default="minisd-edit.png", help="the PNG: source, regenerated and edited per seed")
+    q.add_argument("--model", default="weights/minisd", help="a mini SD folder")
+    q.add_argument("--guidance", type=nonnegative_float, default=4.0, help="classifier-free guidance scale")
+    q.add_argument("--steps", type=positive_int, default=25, help="sampling steps")
+    encoder_options(q)
+    add_json(q)
+    q.set_defaults(minisd_func=cmd_minisd_edit)
 
     q = add_subcommand(minisd_sub, "eval", "judge generated images against their captions, with floors")
     q.add_argument("--count", type=positive_int, default=64, help="prompts per set")

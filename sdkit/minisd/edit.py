@@ -1,0 +1,246 @@
+"""Prompt-to-Prompt on the mini SD, judged on its answer key.
+
+Edit sets come from the evaluation captions (sdkit.minisd.evaluate.prompt_set), with the same seeds:
+a colour swap on single objects, a colour swap of one object in pairs, a shape swap on single
+objects, and a relation swap ("left of" <-> "right of") in pairs. The edited caption is the source
+scene with one attribute changed, written with the same template, so the two prompts' tokens align.
+Each edited image is judged twice: *edited*, the changed attribute reads as the new one (the judge
+on the edited scene); *kept*, every other attribute of what the judge finds (each object's place,
+shape and the colours not edited, and the number of objects) equals what it finds in the source
+image of the same call.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from ..common import SdkitError
+from ..editing import EditSettings, PromptEdit, align
+from .data import COLOURS, SHAPES, Scene
+from .evaluate import prompt_set
+from .judge import find_objects, judge
+from .pipeline import MiniSDPipeline, check_images_fit
+
+EDITS = ("colour_single", "colour_pair", "shape_single", "relation")
+EDIT_NAMES = {
+    "colour_single": "colour swap, single objects",
+    "colour_pair": "colour swap of one object, pairs",
+    "shape_single": "shape swap, single objects",
+    "relation": "relation swap (left of <-> right of)",
+}
+
+
+def edited_scene(scene: Scene, kind: str) -> Scene:
+    """The scene with one attribute changed (the next colour or shape in order; the other relation),
+    written with the same template."""
+    first = scene.objects[0]
+    if kind in ("colour_single", "colour_pair"):
+        colours = list(COLOURS)
+        others = {o.colour for o in scene.objects}
+        colour = next(c for c in colours[colours.index(first.colour) + 1 :] + colours if c not in others)
+        return replace(scene, objects=(replace(first, colour=colour), *scene.objects[1:]))
+    if kind == "shape_single":
+        return replace(scene, objects=(replace(first, shape=SHAPES[(SHAPES.index(first.shape) + 1) % len(SHAPES)]),))
+    if kind == "relation":
+        a, b = scene.objects
+        relation = "right of" if scene.relation == "left of" else "left of"
+        # the objects trade columns: the caption's first object is now on the other side
+        return replace(scene, relation=relation, objects=(replace(a, column=b.column), replace(b, column=a.column)))
+    raise SdkitError(f"unknown edit {kind!r}; choose from {', '.join(EDITS)}")
+
+
+def edit_set(kind: str, count: int, seed: int = 1234) -> list[tuple[Scene, Scene]]:
+    """(source scene, edited scene) pairs of an edit set: the evaluation's singles or pairs."""
+    scenes = prompt_set("pairs" if kind in ("colour_pair", "relation") else "singles", count, seed=seed)
+    return [(scene, edited_scene(scene, kind)) for scene in scenes]
+
+
+def edit_images(
+    pipe: MiniSDPipeline,
+    sources: list[str],
+    edits: list[str],
+    settings: EditSettings,
+    seeds: list[int],
+    steps: int = 25,
+    guidance_scale: float = 4.0,
+    pairs_per_batch: int = 16,
+    progress=None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(source images, edited images), each pair sampled in one batch from its seed's noise, the
+    edited branch under Prompt-to-Prompt."""
+    if pipe.spec.conditioning != "tokens":
+        raise SdkitError("editing reads the cross-attention over a prompt's tokens; this model reads one pooled state")
+    if not len(sources) == len(edits) == len(seeds) or not sources:
+        raise SdkitError(f"{len(sources)} source prompts need as many edited prompts and seeds")
+    check_images_fit(2 * len(sources), pipe.spec.image_size, "editing")
+    from ..encoders import token_roles
+
+    encoder = pipe.encoder
+    out_sources, out_edits = [], []
+    for start in range(0, len(sources), pairs_per_batch):
+        part = slice(start, start + pairs_per_batch)
+        src, dst, part_seeds = sources[part], edits[part], seeds[part]
+        src_ids = encoder.tokenize(src)["input_ids"].tolist()
+        dst_ids = encoder.tokenize(dst)["input_ids"].tolist()
+        reweights = []
+        for prompt in dst:
+            words = token_roles(encoder.tokenizer, prompt, encoder.max_length).words
+            found = {w: [p for name, ps in words if name == w for p in ps] for w in settings.reweight}
+            missing = [w for w, ps in found.items() if not ps]
+            if missing:
+                raise SdkitError(
+                    f"{missing[0]!r} is not a word of {prompt!r}; its words: {', '.join(w for w, _ in words)}"
+                )
+            reweights.append({w: (found[w], factor) for w, factor in settings.reweight.items()})
+        prompts = [p for pair in zip(src, dst) for p in pair]
+        with PromptEdit(pipe.unet, src_ids, dst_ids, settings, steps, reweights):
+            images = pipe(
+                prompts,
+                steps,
+                guidance_scale,
+                seeds=[s for s in part_seeds for _ in (0, 1)],
+                batch_size=len(prompts),
+                progress=progress,
+            ).images
+        out_sources.append(images[0::2])
+        out_edits.append(images[1::2])
+    return np.concatenate(out_sources), np.concatenate(out_edits)
+
+
+def _objects(image: np.ndarray) -> list[tuple]:
+    """What the judge finds, left to right: (colour, shape, row, column) of each object."""
+    found = sorted(find_objects(image), key=lambda o: (o.column, o.row))
+    return [(o.colour, o.shape, o.row, o.column) for o in found]
+
+
+def judge_edit(kind: str, source_image, edited_image, source: Scene, edited: Scene) -> dict[str, bool]:
+    """edited: the changed attribute reads as the new one (the judge on the edited scene); kept:
+    everything else the judge finds in the edited image is what it finds in the source image (the
+    number of objects; the edited object's other attribute and place; every other object whole)."""
+    verdict = judge(edited_image, edited)
+    changed = {"colour_single": "colour", "colour_pair": "colour", "shape_single": "shape", "relation": "position"}[
+        kind
+    ]
+    before, after = _objects(source_image), _objects(edited_image)
+    if len(before) != len(after) or not before:
+        kept = False
+    elif kind == "relation":  # the objects trade places: their colours and shapes stay
+        kept = sorted(o[:2] for o in before) == sorted(o[:2] for o in after)
+    else:
+        # the edited object: the caption's first, which is the left one of a pair "left of" the other
+        index = 0 if len(before) == 1 or source.relation == "left of" else 1
+        other = 1 if changed == "colour" else 0  # the attribute of the edited object that must stay
+        same_object = before[index][other] == after[index][other] and before[index][2:] == after[index][2:]
+        kept = same_object and [o for j, o in enumerate(before) if j != index] == [
+            o for j, o in enumerate(after) if j != index
+        ]
+    is_edited = bool(getattr(verdict, changed))
+    return {"edited": is_edited, "kept": kept, "both": is_edited and kept}
+
+
+@dataclass
+class EditStudy:
+    """Edited, kept and both rates per edit set and setting, with 95 % bootstrap intervals."""
+
+    model: str
+    count: int
+    steps: int
+    guidance_scale: float
+    rows: list[dict] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        return {
+            "model": self.model,
+            "count": self.count,
+            "steps": self.steps,
+            "guidance_scale": self.guidance_scale,
+            "rows": self.rows,
+            "seconds": self.seconds,
+        }
+
+
+def rates(judged: list[dict[str, bool]], samples: int = 2000, seed: int = 0) -> dict:
+    table = np.array([[j["edited"], j["kept"], j["both"]] for j in judged], dtype=float)
+    draws = np.random.default_rng(seed).integers(0, len(table), (samples, len(table)))
+    means = table[draws].mean(1)
+    out = {}
+    for k, name in enumerate(("edited", "kept", "both")):
+        out[name] = float(table[:, k].mean())
+        out[f"{name}_interval"] = [float(np.percentile(means[:, k], 2.5)), float(np.percentile(means[:, k], 97.5))]
+    return out
+
+
+def study_row(
+    pipe,
+    kind: str,
+    settings: EditSettings,
+    count: int,
+    steps: int,
+    guidance_scale: float,
+    seed: int,
+    label: str,
+    progress=None,
+) -> dict:
+    """One row: an edit set under one setting (cross_replace 0 with no reweight is plain same-seed
+    regeneration of the edited prompt)."""
+    pairs = edit_set(kind, count, seed=seed)
+    sources = [s.caption for s, _ in pairs]
+    edits = [e.caption for _, e in pairs]
+    unchanged = next((a for a, b in zip(sources, edits) if a == b), None)
+    if unchanged is not None:
+        raise SdkitError(f"the edit of {unchanged!r} changed nothing")
+    start = time.perf_counter()
+    source_images, edited_images = edit_images(
+        pipe, sources, edits, settings, list(range(count)), steps, guidance_scale, progress=progress
+    )
+    judged = [judge_edit(kind, a, b, s, e) for (s, e), a, b in zip(pairs, source_images, edited_images)]
+    return {
+        "edit": kind,
+        "setting": label,
+        "cross_replace": settings.cross_replace,
+        "self_replace": settings.self_replace,
+        "reweight": settings.reweight,
+        "seed": seed,
+        "seconds": time.perf_counter() - start,
+        **rates(judged),
+    }
+
+
+def aligned(pipe, source: str, edited: str) -> bool:
+    """Whether every token of the edited prompt reads a source token (word swap, no refinement)."""
+    ids = pipe.encoder.tokenize([source, edited])["input_ids"].tolist()
+    return all(i >= 0 for i in align(*ids))
+
+
+def draw_edits(sources, plain, edited, source_prompt: str, edited_prompt: str, seeds: list[int], path, title: str):
+    """A PNG: a row per seed, with the source, the edited prompt regenerated from the same seed,
+    and the Prompt-to-Prompt edit side by side."""
+    import textwrap
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ..common import save_figure
+
+    columns = (
+        (sources, f"source: {source_prompt}"),
+        (plain, f"regenerated: {edited_prompt}"),
+        (edited, f"edited: {edited_prompt}"),
+    )
+    fig, axes = plt.subplots(
+        len(seeds), 3, figsize=(6.3, 2.1 * len(seeds) + 0.6), dpi=110, squeeze=False, layout="constrained"
+    )
+    for row, seed in enumerate(seeds):
+        for column, (images, label) in enumerate(columns):
+            ax = axes[row, column]
+            ax.imshow(images[row], interpolation="nearest")
+            ax.set_title(textwrap.fill(f"{label}\nseed {seed}" if row == 0 else f"seed {seed}", 34), fontsize=6.5)
+            ax.axis("off")
+    fig.suptitle(textwrap.fill(title, 90), fontsize=8)
+    save_figure(fig, path)
