@@ -17,6 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FRACTIONS = (0.0, 0.4, 0.8, 1.0)  # 0: the edited prompt regenerated, no injection
+SELF = ((0.8, 0.2), (0.8, 0.4))  # (cross_replace, self_replace): P2P with the source's self-attention too
 FACTORS = (0.0, 0.5, 1.0, 2.0, 3.0)
 TUNING_SEED, REPORT_SEED = 999, 1234
 
@@ -46,28 +47,34 @@ def main() -> int:
     def done(rows, **key):
         return any(all(r.get(k) == v for k, v in key.items()) for r in rows)
 
-    def run(rows, kind, fraction, seed, label):
-        if done(rows, edit=kind, cross_replace=fraction, seed=seed):
+    def run(rows, kind, fraction, seed, label, self_fraction=0.0):
+        if done(rows, edit=kind, cross_replace=fraction, self_replace=self_fraction, seed=seed):
             return
-        row = study_row(pipe, kind, EditSettings(cross_replace=fraction), args.count, args.steps, 4.0, seed, label)
+        settings = EditSettings(cross_replace=fraction, self_replace=self_fraction)
+        row = study_row(pipe, kind, settings, args.count, args.steps, 4.0, seed, label)
         rows.append(row)
         write_json(out, data)
         print(
-            f"{label:>8} {kind:>14} cross_replace {fraction:.1f}: edited {row['edited']:.3f} kept {row['kept']:.3f} "
+            f"{label:>8} {kind:>14} cross {fraction:.1f} self {self_fraction:.1f}: edited {row['edited']:.3f} kept {row['kept']:.3f} "
             f"both {row['both']:.3f} ({row['seconds']:.0f} s)",
             flush=True,
         )
 
     # The fraction is chosen on the tuning captions' colour swaps (both sets), never on the reported ones.
+    settings = [(f, 0.0) for f in FRACTIONS[1:]] + list(SELF)
     for kind in ("colour_single", "colour_pair"):
-        for fraction in FRACTIONS[1:]:
-            run(data["tuning"], kind, fraction, TUNING_SEED, "tuning")
-    by_fraction = {f: [r["both"] for r in data["tuning"] if r["cross_replace"] == f] for f in FRACTIONS[1:]}
-    data["chosen_cross_replace"] = max(FRACTIONS[1:], key=lambda f: sum(by_fraction[f]) / len(by_fraction[f]))
+        for fraction, self_fraction in settings:
+            run(data["tuning"], kind, fraction, TUNING_SEED, "tuning", self_fraction)
+
+    def tuned(setting):
+        both = [r["both"] for r in data["tuning"] if (r["cross_replace"], r["self_replace"]) == setting]
+        return sum(both) / len(both)
+
+    data["chosen_cross_replace"], data["chosen_self_replace"] = max(settings, key=tuned)
     write_json(out, data)
     for kind in EDITS:
-        for fraction in FRACTIONS:
-            run(data["rows"], kind, fraction, REPORT_SEED, "report")
+        for fraction, self_fraction in [(0.0, 0.0), *settings]:
+            run(data["rows"], kind, fraction, REPORT_SEED, "report", self_fraction)
 
     # Reweighting: the source prompt against itself, its colour word scaled; how often the colour shows
     scenes = [s for s, _ in edit_set("colour_single", args.count, seed=REPORT_SEED)]
@@ -78,9 +85,9 @@ def main() -> int:
         for colour in sorted({s.objects[0].colour for s in scenes}):
             group = [s for s in scenes if s.objects[0].colour == colour]
             prompts = [s.caption for s in group]
-            settings = EditSettings(cross_replace=data["chosen_cross_replace"], reweight={colour: factor})
+            chosen = EditSettings(data["chosen_cross_replace"], data["chosen_self_replace"], reweight={colour: factor})
             seeds = [scenes.index(s) for s in group]
-            _, images = edit_images(pipe, prompts, prompts, settings, seeds, args.steps, 4.0)
+            _, images = edit_images(pipe, prompts, prompts, chosen, seeds, args.steps, 4.0)
             shown += [bool(judge(image, scene).colour) for image, scene in zip(images, group)]
         data["reweight"].append({"factor": factor, "colour_shown": sum(shown) / len(shown), "count": len(shown)})
         write_json(out, data)

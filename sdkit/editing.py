@@ -186,7 +186,7 @@ class PromptEdit:
     def edited(self, name: str, probs: torch.Tensor, heads: int, cross: bool) -> torch.Tensor:
         """The weights (batch * heads, cells, tokens) with the conditional edited branches' replaced."""
         batch = probs.shape[0] // heads
-        probs = probs.view(batch, heads, *probs.shape[1:]).clone()
+        probs = probs.view(batch, heads, *probs.shape[1:])  # a fresh tensor of this call: edited in place
         first = 2 * self.pairs if self.cfg else 0
         sources = torch.arange(first, first + 2 * self.pairs, 2, device=probs.device)
         edits = sources + 1

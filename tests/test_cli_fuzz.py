@@ -384,6 +384,18 @@ def fast_commands(root: Path, encoder: str) -> dict[str, list[str]]:
             "--panel",
             str(out / "p.png"),
         ],
+        "minisd edit": [
+            "minisd",
+            "edit",
+            "a red circle",
+            "--to",
+            "a blue circle",
+            "--seeds",
+            "1",
+            *minisd,
+            "--out",
+            str(out / "edit.png"),
+        ],
         "memory": ["memory", "--quick", "--minisd", micro, "--plot", str(out / "m.png")],
     }
 

@@ -535,6 +535,47 @@ def timings_table() -> str:
     return markdown([f"command ({where}; cold: a new process)", "wall time", "first output", "longest silence"], rows)
 
 
+EDIT_NAMES = {
+    "colour_single": "colour swap, single objects",
+    "colour_pair": "colour swap of one object, pairs",
+    "shape_single": "shape swap, single objects",
+    "relation": "relation swap (left of <-> right of)",
+}  # sdkit.minisd.edit.EDIT_NAMES, named without importing torch
+
+
+def editing_table() -> str:
+    """Prompt-to-Prompt on the reported captions: each edit set at each cross_replace fraction (0:
+    the edited prompt regenerated from the same seed, no injection)."""
+    data = load("editing")
+    rows = []
+    for row in data["rows"]:
+        setting = (
+            "regenerated (no injection)"
+            if row["cross_replace"] == 0
+            else f"P2P, cross_replace {row['cross_replace']:g}"
+        )
+        if row["self_replace"]:
+            setting += f", self_replace {row['self_replace']:g}"
+        if (row["cross_replace"], row["self_replace"]) == (data["chosen_cross_replace"], data["chosen_self_replace"]):
+            setting += " (chosen)"
+        rows.append(
+            [
+                EDIT_NAMES[row["edit"]],
+                setting,
+                f"{pct(row['edited'])} {interval(row['edited_interval'])}",
+                f"{pct(row['kept'])} {interval(row['kept_interval'])}",
+                f"**{pct(row['both'])}** {interval(row['both_interval'])}",
+            ]
+        )
+    return markdown(["edit set", "setting", "edited [95 % CI]", "kept [95 % CI]", "both [95 % CI]"], rows, right_from=2)
+
+
+def editing_reweight_table() -> str:
+    data = load("editing")
+    rows = [[f"x{row['factor']:g}", pct(row["colour_shown"]), row["count"]] for row in data["reweight"]]
+    return markdown(["colour word's attention", "its colour shown", "images"], rows)
+
+
 TABLES = {
     "timings": timings_table,
     "compute": compute_table,
@@ -554,6 +595,8 @@ TABLES = {
     "memory-real": memory_real_table,
     "memory-levels": memory_levels_table,
     "memory-context": memory_context_table,
+    "editing": editing_table,
+    "editing-reweight": editing_reweight_table,
 }
 
 

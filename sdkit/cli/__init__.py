@@ -8,6 +8,7 @@ declares its flags next to the function that runs it, and calls library function
     adapter.py     sdkit adapter        sdkit.adapter.compare_adapters, adapted_embeddings
     minisd.py      sdkit minisd         sdkit.minisd.train.train, MiniSDPipeline, evaluate.evaluate
                                         (--guide: sdkit.steering, sdkit.minisd.steer.caption_guides)
+                                        (edit: sdkit.editing, sdkit.minisd.edit.edit_images)
     memory.py      sdkit memory         sdkit.memory.run
     common.py      the parser class, argument types, output checks, table or JSON
 """
