@@ -3,7 +3,7 @@ several cross_replace fractions (0 is plain same-seed regeneration of the edited
 reweighting dose-response on the colour word.
 
     python scripts/edit_study.py                 # writes weights/minisd/findings/editing.json and editing.png
-    python scripts/edit_study.py --count 8       # a quick look
+    python scripts/edit_study.py --count 8 --out out/editing.json   # a quick look, elsewhere
 
 The fraction to recommend is chosen on captions of another seed (the tuning set) than the ones
 reported (the evaluation's own captions). Each row is written as soon as it is judged: a stopped
@@ -39,6 +39,8 @@ def main() -> int:
     out = Path(args.out or Path(args.model) / "findings" / "editing.json")
     pipe = MiniSDPipeline.from_pretrained(args.model, encoders_dir=ROOT / "weights" / "encoders")
     data = json.loads(out.read_text()) if out.is_file() else {}
+    if data and (data.get("count"), data.get("steps")) != (args.count, args.steps):
+        data = {}  # rows of another count or step number are another study: start over, never mix
     data.update({"model": args.model, "count": args.count, "steps": args.steps, "guidance_scale": 4.0})
     data.setdefault("tuning", [])
     data.setdefault("rows", [])

@@ -343,38 +343,13 @@ def test_checkpoints_never_delete_a_users_files_in_its_model_folder(cli, tmp_pat
     checkpoints = tmp_path / "ckpt"
     (checkpoints / "model").mkdir(parents=True)
     (checkpoints / "model" / "mine.txt").write_text("mine")
-    line = refusal(
-        cli(
-            "minisd",
-            "train",
-            "--steps",
-            "1",
-            "--text-encoder",
-            bert.source,
-            "--out",
-            tmp_path / "m",
-            "--checkpoints",
-            checkpoints,
-        )
-    )
+    argv = ["minisd", "train", "--steps", "1", "--text-encoder", bert.source, "--out", tmp_path / "m"]
+    line = refusal(cli(*argv, "--checkpoints", checkpoints))
     assert "sdkit did not write it" in line and (checkpoints / "model" / "mine.txt").read_text() == "mine"
     (checkpoints / "model" / "mine.txt").unlink()
     (checkpoints / "model").rmdir()
     (checkpoints / "model").write_text("a file")
-    line = refusal(
-        cli(
-            "minisd",
-            "train",
-            "--steps",
-            "1",
-            "--text-encoder",
-            bert.source,
-            "--out",
-            tmp_path / "m",
-            "--checkpoints",
-            checkpoints,
-        )
-    )
+    line = refusal(cli(*argv, "--checkpoints", checkpoints))
     assert "must be a folder" in line and sorted(p.name for p in checkpoints.iterdir()) == ["model"]
 
 

@@ -13,12 +13,12 @@ image of the same call.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import numpy as np
 
 from ..common import SdkitError
-from ..editing import EditSettings, PromptEdit, align
+from ..editing import EditSettings, PromptEdit
 from .data import COLOURS, SHAPES, Scene
 from .evaluate import prompt_set
 from .judge import find_objects, judge
@@ -141,28 +141,6 @@ def judge_edit(kind: str, source_image, edited_image, source: Scene, edited: Sce
     return {"edited": is_edited, "kept": kept, "both": is_edited and kept}
 
 
-@dataclass
-class EditStudy:
-    """Edited, kept and both rates per edit set and setting, with 95 % bootstrap intervals."""
-
-    model: str
-    count: int
-    steps: int
-    guidance_scale: float
-    rows: list[dict] = field(default_factory=list)
-    seconds: float = 0.0
-
-    def to_json(self) -> dict:
-        return {
-            "model": self.model,
-            "count": self.count,
-            "steps": self.steps,
-            "guidance_scale": self.guidance_scale,
-            "rows": self.rows,
-            "seconds": self.seconds,
-        }
-
-
 def rates(judged: list[dict[str, bool]], samples: int = 2000, seed: int = 0) -> dict:
     table = np.array([[j["edited"], j["kept"], j["both"]] for j in judged], dtype=float)
     draws = np.random.default_rng(seed).integers(0, len(table), (samples, len(table)))
@@ -208,12 +186,6 @@ def study_row(
         "seconds": time.perf_counter() - start,
         **rates(judged),
     }
-
-
-def aligned(pipe, source: str, edited: str) -> bool:
-    """Whether every token of the edited prompt reads a source token (word swap, no refinement)."""
-    ids = pipe.encoder.tokenize([source, edited])["input_ids"].tolist()
-    return all(i >= 0 for i in align(*ids))
 
 
 def draw_edits(sources, plain, edited, source_prompt: str, edited_prompt: str, seeds: list[int], path, title: str):
