@@ -317,12 +317,16 @@ def steered_sd(
     latents=None,
     negative_prompt=None,
     output_type: str = "pil",
+    height: int | None = None,
+    width: int | None = None,
 ):
     """A stock diffusers StableDiffusionPipeline, sampled with cross-attention steering.
 
     The loop is the pipeline's own (its prompt encoding, latents, scheduler and decoding), with one
     addition: before each denoising step the latents are steered (see Steerer). With
-    objectives=("excite",) it is diffusers' Attend-and-Excite pipeline, step for step.
+    objectives=("excite",) it is diffusers' Attend-and-Excite pipeline, step for step. Height and
+    width default to the U-Net's own size, as the pipeline's do; each must be a multiple of the
+    VAE's factor. Guides' layout regions are resized to each map's grid, whatever its shape.
     """
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)
     guides = [guides] * len(prompts) if isinstance(guides, Guide) else list(guides)
@@ -333,7 +337,11 @@ def steered_sd(
     prompt_embeds, negative_embeds = pipe.encode_prompt(prompts, device, 1, do_cfg, negative_prompt)
     check_guides(guides, prompt_embeds.shape[1])
     pipe.scheduler.set_timesteps(num_inference_steps, device=device)
-    height = width = pipe.unet.config.sample_size * pipe.vae_scale_factor
+    native = pipe.unet.config.sample_size * pipe.vae_scale_factor
+    height, width = height or native, width or native
+    for name, side in (("height", height), ("width", width)):
+        if not isinstance(side, int) or side <= 0 or side % pipe.vae_scale_factor:
+            raise SdkitError(f"{name} must be a positive multiple of {pipe.vae_scale_factor} pixels, not {side!r}")
     latents = pipe.prepare_latents(
         len(prompts), pipe.unet.config.in_channels, height, width, prompt_embeds.dtype, device, generator, latents
     )

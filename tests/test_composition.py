@@ -1,5 +1,6 @@
 """Composition: the text probe, and (below) where the U-Net loses binding and how steering restores it."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -351,3 +352,28 @@ def test_relation_by_step_tells_a_model_that_reads_the_relation_from_one_that_do
     assert ignores.shares["in order"] == [0.5] * 3  # right for every "left of", wrong for every "right of"
     assert ignores.shares["the word orders"] == ignores.shares["the word moves colour"] == [0.0] * 3
     assert set(reads.intervals) == set(MEASURES) and reads.intervals["in order"][0] == [1.0, 1.0]
+
+
+def test_steering_a_pipeline_at_another_size_and_by_words(tiny_sd):
+    """steered_sd takes height and width (any multiple of the VAE's factor) and guides given by words."""
+    from sdkit.common import SdkitError
+    from sdkit.steering import Guide, SteeringSettings, steered_sd
+
+    pipe, _ = tiny_sd
+    prompt = "a red cat on a blue chair"
+    guide = Guide.from_words(pipe.tokenizer, prompt, excite=["cat", "chair"])
+    settings = SteeringSettings(objectives=("excite",), steps=1, resolution=16)
+    images = steered_sd(
+        pipe,
+        prompt,
+        guide,
+        settings,
+        num_inference_steps=2,
+        height=64,
+        width=96,
+        output_type="np",
+        generator=torch.Generator().manual_seed(0),
+    )
+    assert images.shape == (1, 64, 96, 3) and np.isfinite(images).all()
+    with pytest.raises(SdkitError, match="width must be a positive multiple of 2 pixels"):
+        steered_sd(pipe, prompt, guide, settings, num_inference_steps=2, width=63)
