@@ -114,3 +114,37 @@ def test_guides_by_words_are_guides_by_their_positions(tiny_sd):
     assert by_words.layout[0][0] == [3, 4] and by_words.layout[0][1] is region
     with pytest.raises(SdkitError, match="'horse' is not a word of 'a red cat on a blue chair'"):
         Guide.from_words(pipe.tokenizer, PROMPTS[0], excite=["horse"])
+
+
+def test_sample_draws_each_words_map_over_each_image(cli, micro_minisd, tmp_path):
+    import json
+
+    from sdkit.common import folder_record
+    from tests.test_reliability import one_line
+
+    folder, encoder = micro_minisd
+    base = [
+        "minisd",
+        "sample",
+        "a red circle at the top left",
+        "a blue square",
+        "--seeds",
+        "2",
+        "--steps",
+        "2",
+        "--model",
+        folder,
+        "--text-encoder",
+        encoder,
+        "--out",
+        tmp_path / "grid.png",
+    ]
+    code, out, err = cli(*base, "--overlays", tmp_path / "maps")
+    assert code == 0, err
+    files = sorted(p.name for p in (tmp_path / "maps").iterdir())
+    assert files == ["000_seed0.png", "001_seed1.png", "002_seed0.png", "003_seed1.png", "maps.json", "sdkit.json"]
+    assert folder_record(tmp_path / "maps")["kind"] == "maps"
+    assert json.loads((tmp_path / "maps" / "maps.json").read_text())["seeds"] == [0, 1, 0, 1]
+    assert "each word's map over each image" in out
+    line = one_line(*cli(*base, "--overlays", tmp_path / "m2", "--guide", "layout")[::2])
+    assert "--guide does not apply with --overlays" in line

@@ -7,7 +7,7 @@ import math
 import os
 from dataclasses import asdict
 
-from ..common import MODEL_FOLDER, SdkitError, check_output_folder
+from ..common import MAPS_FOLDER, MODEL_FOLDER, SdkitError, check_output_folder
 from ..minisd import LR_SCHEDULES, PRECISIONS, SHIPPED_TRAINING_TIME
 from .common import (
     CACHE_DEFAULT,
@@ -164,7 +164,9 @@ def _steering_title(settings) -> str:
 
 
 def cmd_minisd_sample(args) -> None:
-    check_outputs(args, pictures=("out",))
+    check_outputs(args, pictures=("out",), owned={"overlays": MAPS_FOLDER})
+    if args.overlays:
+        refuse_options(args, ("guide",), "with --overlays (steering traces the same layers)")
     from ..minisd.evaluate import check_grid, sample_grid
 
     if args.first_seed + args.seeds > 2**63:
@@ -182,7 +184,13 @@ def cmd_minisd_sample(args) -> None:
         from ..minisd.steer import caption_guides
 
         guides = caption_guides(pipe.encoder, prompts, pipe.spec.image_size)
-    with progress_bar(args, total=len(prompts), desc="sampling", unit="image") as bar:
+    from contextlib import nullcontext
+
+    from ..trace import CrossAttentionTrace
+
+    # one batch, so that the trace holds the images in order; guidance stacks (unconditional, conditional)
+    trace = CrossAttentionTrace(pipe.unet, cfg=args.guidance != 1, maps=True) if args.overlays else nullcontext()
+    with progress_bar(args, total=len(prompts), desc="sampling", unit="image") as bar, trace:
         out = pipe(
             prompts,
             args.steps,
@@ -192,11 +200,18 @@ def cmd_minisd_sample(args) -> None:
             progress=bar,
             steering=steering,
             guides=guides,
+            batch_size=len(prompts) if args.overlays else 64,
         )
     title = f"{_model_name(args.model, pipe)}: {args.sampler} {args.steps} steps, guidance {args.guidance:g}"
     if steering is not None:
         title += f", {_steering_title(steering)}"
     sample_grid(out.images, prompts, seeds, args.out, title)
+    overlays = ""
+    if args.overlays:
+        from ..minisd.evaluate import write_overlays
+
+        written = write_overlays(trace, out.images, prompts, seeds, pipe.encoder, args.overlays)
+        overlays = f"; each word's map over each image in {args.overlays} ({len(written)} pictures)"
     steered = None if steering is None else {k: v for k, v in asdict(steering).items() if k != "text_positions"}
     show_result(
         args,
@@ -210,8 +225,9 @@ def cmd_minisd_sample(args) -> None:
             "sampler": args.sampler,
             "steering": steered,
             "grid": args.out,
+            "overlays": args.overlays,
         },
-        f"wrote {len(prompts)} images to {args.out} ({title})",
+        f"wrote {len(prompts)} images to {args.out} ({title}){overlays}",
     )
 
 
@@ -494,6 +510,7 @@ def register(sub) -> None:
     q.add_argument("--seeds", type=positive_int, default=8, help="images per prompt (seeds first-seed, +1, ...)")
     q.add_argument("--first-seed", type=seed, default=0, help="seed of the first image")
     q.add_argument("--out", default="minisd-samples.png", help="the PNG grid")
+    q.add_argument("--overlays", metavar="DIR", help="also draw each word's cross-attention map over each image here")
     sampling_options(q)
     q.set_defaults(minisd_func=cmd_minisd_sample)
 

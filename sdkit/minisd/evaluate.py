@@ -332,3 +332,46 @@ def sample_grid(images: np.ndarray, captions: list[str], seeds: list[int], path,
     if title:
         fig.suptitle(textwrap.fill(title, 18 * cols), fontsize=9)
     save_figure(fig, path)
+
+
+def write_overlays(
+    trace, images: np.ndarray, captions: list[str], seeds: list[int], encoder, folder, scale: int = 8
+) -> list[str]:
+    """One PNG per image in `folder` (a maps folder, written whole): the image, then each word of its
+    caption with the word's cross-attention map (its pieces summed, all layers and steps) over it.
+    `trace` traced the sampling of exactly these images, in this order."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    from ..common import MAPS_FOLDER, atomic_folder, write_json
+    from ..encoders import token_roles
+    from ..trace import overlay
+
+    if trace.items != len(images):
+        raise SdkitError(f"the trace holds {trace.items} images, not the {len(images)} to draw over")
+    side = images.shape[1] * scale
+    names = []
+    with atomic_folder(folder, MAPS_FOLDER) as tmp:
+        for i, (image, caption, seed) in enumerate(zip(images, captions, seeds)):
+            words = token_roles(encoder.tokenizer, caption, encoder.max_length).words
+            maps = trace.token_maps(item=i, size=(side, side))
+            big = Image.fromarray((np.clip(image, 0, 1) * 255).round().astype(np.uint8)).resize(
+                (side, side), Image.NEAREST
+            )
+            fig, axes = plt.subplots(
+                1, 1 + len(words), figsize=(1.6 * (1 + len(words)), 2.0), dpi=110, squeeze=False, layout="constrained"
+            )
+            axes[0, 0].imshow(big)
+            axes[0, 0].set_title(f"seed {seed}", fontsize=7)
+            for ax, (word, positions) in zip(axes[0, 1:], words):
+                ax.imshow(overlay(big, maps[positions].sum(0)))
+                ax.set_title(word, fontsize=7)
+            for ax in axes.flat:
+                ax.axis("off")
+            fig.suptitle(textwrap.fill(caption, 20 * (1 + len(words))), fontsize=8)
+            names.append(save_figure(fig, tmp / f"{i:03d}_seed{seed}.png").name)
+        write_json(tmp / "maps.json", {"captions": captions, "seeds": seeds, "files": names})
+    return names
