@@ -329,6 +329,7 @@ def test_outputs_never_land_on_what_the_command_reads_through_any_flag(cli, tmp_
         ["minisd", "train", "--checkpoints", "{t}/c", "--json-out", "{t}/c/checkpoint.safetensors"],
         ["condition", "--maps", "{t}/maps", "--json-out", "{t}/maps/maps.json"],
         ["adapter", "demo", "--out", "{t}/a", "--json-out", "{t}/a/report.json"],
+        ["minisd", "edit", "a red circle", "--to", "a blue circle", "--out", "{t}/w", "--json-out", "{t}/w/x.json"],
     ],
 )
 def test_outputs_of_one_command_never_land_on_each_other(cli, tmp_path, argv):

@@ -180,6 +180,17 @@ def _finite(text: str) -> float:
     return value
 
 
+MAX_GUIDANCE = 1000.0  # SD samples at 1-15; far past that the guided prediction only overflows
+
+
+def guidance_scale(text: str) -> float:
+    """A classifier-free guidance scale: 0 to MAX_GUIDANCE."""
+    value = nonnegative_float(text)
+    if value > MAX_GUIDANCE:
+        raise argparse.ArgumentTypeError(f"a guidance scale is 0 to {MAX_GUIDANCE:g} (SD samples at 1-15), not {text}")
+    return value
+
+
 def grid_sides(text: str) -> tuple[int, ...]:
     try:
         sides = tuple(int(side) for side in text.split(","))
@@ -401,12 +412,13 @@ def _check_apart(args, file_flags, folder_flags) -> None:
         for other, other_path in given[i + 1 :]:
             if path == other_path:
                 raise SdkitError(f"{path}: {name(flag)} and {name(other)} name the same path; give each output its own")
-        for other, folder in given:
-            if other != flag and other not in file_flags and folder in path.parents:
+        for other, outer in given:
+            if other != flag and outer in path.parents:
                 what = "file" if flag in file_flags else "folder"
+                kind = "folder this command writes" if other not in file_flags else "file this command writes"
                 raise SdkitError(
-                    f"{path}: the {name(flag)} {what} would be inside the {name(other)} folder this "
-                    "command writes; choose a path outside it"
+                    f"{path}: the {name(flag)} {what} would be inside the {name(other)} {kind}; "
+                    "choose a path outside it"
                 )
 
 

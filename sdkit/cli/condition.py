@@ -13,9 +13,9 @@ from .common import (
     check_input,
     check_outputs,
     grid_sides,
+    guidance_scale,
     latent_size,
     minisd_spec,
-    nonnegative_float,
     phase,
     positive_int,
     progress_bar,
@@ -265,7 +265,7 @@ def register(sub) -> None:
         help="--masks: timesteps to noise the images to (comma-separated)",
     )
     p.add_argument("--pooled-model", metavar="DIR", help="--generate: a mini SD trained on the pooled state only")
-    p.add_argument("--guidance", type=nonnegative_float, default=4.0, help="--masks/--generate: guidance scale")
+    p.add_argument("--guidance", type=guidance_scale, default=4.0, help="--masks/--generate: guidance scale")
     p.add_argument("--steps", type=positive_int, default=25, help="--masks/--generate: sampling steps")
     p.add_argument("--encoders-dir", default="weights/encoders", help="where the mini SD's text encoder is")
     p.add_argument(

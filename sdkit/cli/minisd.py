@@ -20,6 +20,7 @@ from .common import (
     cache_folder,
     check_input,
     check_outputs,
+    guidance_scale,
     nonnegative_float,
     nonnegative_int,
     phase,
@@ -355,7 +356,7 @@ def register(sub) -> None:
 
     def sampling_options(q):
         q.add_argument("--model", default="weights/minisd", help="a mini SD folder")
-        q.add_argument("--guidance", type=nonnegative_float, default=4.0, help="classifier-free guidance scale")
+        q.add_argument("--guidance", type=guidance_scale, default=4.0, help="classifier-free guidance scale")
         q.add_argument("--steps", type=positive_int, default=25, help="sampling steps")
         q.add_argument("--sampler", choices=("ddim", "dpm"), default="ddim", help="DDIM or DPM-Solver++")
         q.add_argument(
@@ -541,7 +542,7 @@ def register(sub) -> None:
     q.add_argument("--first-seed", type=seed, default=0, help="seed of the first edit")
     q.add_argument("--out", default="minisd-edit.png", help="the PNG: source, regenerated and edited per seed")
     q.add_argument("--model", default="weights/minisd", help="a mini SD folder")
-    q.add_argument("--guidance", type=nonnegative_float, default=4.0, help="classifier-free guidance scale")
+    q.add_argument("--guidance", type=guidance_scale, default=4.0, help="classifier-free guidance scale")
     q.add_argument("--steps", type=positive_int, default=25, help="sampling steps")
     encoder_options(q)
     add_json(q)
