@@ -66,29 +66,18 @@ def test_4_mini_sd_options_without_the_mode_and_names_that_match_nothing(cli, mi
 
 
 def test_5_a_guidance_that_overflows_is_an_error_and_writes_nothing(cli, micro_minisd, tmp_path):
+    """Past 1,000 the command refuses the scale before sampling; the library, given one, says the
+    sampling overflowed rather than return NaN pixels."""
+    from sdkit.minisd.pipeline import MiniSDPipeline
+
     folder, encoder = micro_minisd
     png = tmp_path / "grid.png"
-    line = refusal(
-        cli(
-            "minisd",
-            "sample",
-            "a red circle at the top",
-            "--model",
-            folder,
-            "--text-encoder",
-            encoder,
-            "--seeds",
-            "1",
-            "--steps",
-            "2",
-            "--guidance",
-            "1e30",
-            "--out",
-            png,
-        )
-    )
-    assert "non-finite" in line and "guidance scale 1e+30" in line
-    assert not png.exists()
+    argv = ["minisd", "sample", "a red circle at the top", "--model", folder, "--text-encoder", encoder, "--seeds", "1"]
+    line = refusal(cli(*argv, "--steps", "2", "--guidance", "1e30", "--out", png))
+    assert "a guidance scale is 0 to 1000" in line and not png.exists()
+    pipe = MiniSDPipeline.from_pretrained(folder, encoder)
+    with pytest.raises(SdkitError, match="non-finite pixels .guidance scale 1e[+]30"):
+        pipe(["a red circle at the top"], 2, 1e30)
 
 
 def test_5_nan_weights_are_refused_when_loaded(cli, micro_minisd, tmp_path):
