@@ -158,6 +158,7 @@ def test_the_judge_of_an_edit_on_the_generators_own_images():
     assert judge_edit("colour_single", before, after, source, edited)["kept"] is False
 
 
+@pytest.mark.slow  # three edits on the micro mini SD
 def test_batched_pairs_edit_as_pairs_alone(micro_minisd):
     from sdkit.minisd.edit import edit_images
     from sdkit.minisd.pipeline import MiniSDPipeline

@@ -401,6 +401,7 @@ def test_13_training_sizes_are_bounded_first(cli, encoder384, tmp_path):
     assert not (tmp_path / "m").exists()
 
 
+@pytest.mark.slow  # a training step of the full mini SD preset, measured
 def test_13_the_floor_under_a_batch_is_below_what_it_takes(bert):
     """The refusal's estimate is a floor: a batch it admits may still be large, one it refuses could
     never train. Held against the measured peak of one training step."""

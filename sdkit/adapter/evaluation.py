@@ -305,8 +305,11 @@ def compare_adapters(
             report.methods[method].update(_aggregate(unet_parts))
             report.methods[method]["interval"].update(bootstrap_intervals(unet_parts, seed=seed))
     if out_dir:
+        from accelerate import PartialState
+
         kept = ("lstsq", *kinds)  # lstsq too: it often ties for best
         report.saved = {kind: str(Path(out_dir) / kind) for kind in kept}
+    if out_dir and PartialState().is_main_process:  # one writer, however many processes trained
         with atomic_folder(out_dir, ADAPTERS_FOLDER) as tmp:
             for kind in kept:
                 adapters[kind].save_pretrained(tmp / kind)

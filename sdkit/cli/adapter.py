@@ -126,7 +126,7 @@ def _run_comparison(args, new_dir, old_dir, prompts, note: str | None = None) ->
 
 def _check_training_outputs(args) -> None:
     check_outputs(args, folders=("cache", "checkpoints"), owned={"out": ADAPTERS_FOLDER})
-    if "judge" in args.given and minisd_spec(args.unet) is None:
+    if "judge" in args.given and args.judge and minisd_spec(args.unet) is None:  # 0: no judging, said plainly
         refuse_options(args, ("judge",), "without a mini SD as --unet (its answer key does the judging)")
 
 
