@@ -12,7 +12,7 @@ import hashlib
 import json
 import os
 import string
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -49,8 +49,11 @@ class TextEncoder:
     @property
     def pads_with_states(self) -> bool:
         """CLIP computes states at padding positions and SD reads them; masked encoders (BERT-style)
-        do not, and their padding positions are filled with zeros."""
-        return not _uses_attention_mask(self.model)
+        do not, and their padding positions are filled with zeros, unless the encoder's config says
+        `use_attention_mask` (diffusers' convention, as the latent mini SD's does): then it is encoded
+        as diffusers' StableDiffusionPipeline.encode_prompt does, padded to max_length with the mask
+        given, and every position's state is read."""
+        return not _uses_attention_mask(self.model) or _pipeline_masks(self.model)
 
     def tokenize(self, prompts: list[str], padding: str = "max_length") -> dict:
         return self.tokenizer(
@@ -81,7 +84,10 @@ class TextEncoder:
         device = self.model.device
         if self.pads_with_states:
             tokens = self.tokenize(prompts)
-            out = self.model(tokens["input_ids"].to(device), output_hidden_states=self.layer != "last")
+            mask = tokens["attention_mask"].to(device) if _pipeline_masks(self.model) else None
+            out = self.model(
+                tokens["input_ids"].to(device), attention_mask=mask, output_hidden_states=self.layer != "last"
+            )
         else:  # padding is masked out: encode to the longest prompt, then zero-fill
             tokens = self.tokenize(prompts, padding="longest")
             out = self.model(
@@ -112,6 +118,12 @@ class TextEncoder:
 def _uses_attention_mask(model) -> bool:
     # CLIP's text tower attends causally and SD never passed it a mask; BERT-style encoders need one.
     return model.config.model_type not in ("clip_text_model", "clip")
+
+
+def _pipeline_masks(model) -> bool:
+    """Whether diffusers' SD pipelines pass this encoder an attention mask (they do where its config
+    says use_attention_mask, and keep every position's state)."""
+    return bool(getattr(model.config, "use_attention_mask", False))
 
 
 def load_text_encoder(
@@ -176,6 +188,22 @@ def load_text_encoder(
         )
     model = model.to(device).eval()
     return TextEncoder(tokenizer, model, layer, str(folder), context_length)
+
+
+def for_stock_pipeline(encoder: TextEncoder, max_length: int) -> TextEncoder:
+    """The encoder as a stock SD pipeline folder carries it, so that diffusers' encode_prompt gives
+    the states sdkit trains on: the tokenizer pads to `max_length` (its model_max_length, which the
+    pipeline reads), and a BERT-style model's config says use_attention_mask (the pipeline then
+    passes the mask). The caller's encoder is left as it was."""
+    import copy
+
+    tokenizer = copy.deepcopy(encoder.tokenizer)
+    tokenizer.model_max_length = max_length
+    model = encoder.model
+    if _uses_attention_mask(model) and not _pipeline_masks(model):
+        model = copy.deepcopy(model)
+        model.config.use_attention_mask = True
+    return replace(encoder, tokenizer=tokenizer, model=model, context_length=max_length)
 
 
 def encoder_fingerprint(encoder: TextEncoder) -> dict:

@@ -7,7 +7,7 @@ from importlib import resources
 
 from .common import SdkitError
 
-PRESETS = ("sd15", "sd21", "sdxl", "tiny", "minisd")
+PRESETS = ("sd15", "sd21", "sdxl", "tiny", "minisd", "minisd-latent")
 
 
 def preset_config(name: str) -> dict:

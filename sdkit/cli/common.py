@@ -14,7 +14,7 @@ import sys
 
 from ..common import SdkitError, check_output, check_output_folder, write_json
 
-PRESET_NAMES = "sd15, sd21, sdxl, tiny, minisd"  # presets.PRESETS, without importing torch to say so
+PRESET_NAMES = "sd15, sd21, sdxl, tiny, minisd, minisd-latent"  # presets.PRESETS, without importing torch to say so
 LAYERS = ("last", "penultimate")  # encoders.LAYERS
 ADAPTER_KINDS = ("linear", "mlp", "mixer")  # adapter.KINDS
 STEERING_OBJECTIVES = ("excite", "bind", "layout")  # steering.OBJECTIVES
@@ -347,6 +347,8 @@ INPUT_FLAGS = (
     "adapter",
     "corpus",
     "minisd",
+    "vae",
+    "start_from",
 )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from ..common import MAPS_FOLDER, MODEL_FOLDER, SdkitError, check_output_folder
 from ..minisd import LR_SCHEDULES, PRECISIONS, SHIPPED_TRAINING_TIME
@@ -85,15 +85,31 @@ def cmd_minisd_train(args) -> None:
     check_outputs(args, folders=("cache", "checkpoints"), owned={"out": MODEL_FOLDER})
     if args.checkpoints:  # the run so far goes to DIR/model: the same rule as --out
         check_output_folder(os.path.join(args.checkpoints, "model"), MODEL_FOLDER, "--checkpoints model folder")
-    from ..encoders import load_text_encoder
+    from ..encoders import for_stock_pipeline, load_text_encoder
     from ..minisd.train import train
 
     settings = train_settings(args)
+    vae = None
+    if args.vae:
+        from ..minisd.pipeline import load_vae
+
+        check_input(args.vae, "--vae")
+        phase(f"loading the VAE {args.vae}")
+        vae = load_vae(args.vae)
+        # a latent mini SD: its image side is the VAE's, and a stock pipeline has no place embeddings
+        settings = replace(
+            settings,
+            space="latents",
+            image_size=settings.image_size if "image_size" in args.given else vae.config.sample_size,
+            place_embeddings=settings.place_embeddings if "place_embeddings" in args.given else False,
+        )
     settings.check()
     folder = args.text_encoder or os.path.join(args.encoders_dir, "all-MiniLM-L6-v2")
     check_input(folder, "the text encoder; python scripts/get_real_encoders.py puts it in weights/encoders")
     phase(f"loading the text encoder {folder}")
     encoder = load_text_encoder(folder, layer=args.layer, allow_pickle=args.allow_pickle)
+    if vae is not None:
+        encoder = for_stock_pipeline(encoder, settings.context_length)
     # the captions' states are encoded (or read from the cache) before the first step
     phase("encoding the captions and building the U-Net")
     result = train(
@@ -104,6 +120,7 @@ def cmd_minisd_train(args) -> None:
         checkpoint_every=args.checkpoint_every,
         cache_dir=args.cache,
         progress=not args.json,
+        vae=vae,
     )
     last = result.history[-1]["loss"] if result.history else float("nan")
     if result.resumed_from == result.steps:
@@ -118,6 +135,40 @@ def cmd_minisd_train(args) -> None:
             f"samples/s); last loss {last:.4f}\nsaved the EMA weights to {result.folder}"
         )
     show_result(args, asdict(result), table)
+
+
+def cmd_minisd_vae(args) -> None:
+    from ..minisd.vae import VAESettings, format_round_trips, judge_round_trips, train_vae
+
+    if args.judge:
+        from ..minisd.pipeline import load_vae
+
+        refuse_options(
+            args, ("out", "steps", "batch_size", "lr", "seed", "checkpoints", "start_from", "decoder_only"), "with --judge"
+        )
+        check_input(args.judge, "--judge")
+        vae, trained = load_vae(args.judge), None
+    else:
+        check_outputs(args, folders=("out", "checkpoints"))
+        if args.decoder_only and not args.start_from:
+            raise SdkitError("--decoder-only fine-tunes a trained VAE's decoder: give it with --start-from DIR")
+        if args.start_from:
+            check_input(args.start_from, "--start-from")
+        settings = VAESettings(
+            steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed, decoder_only=args.decoder_only
+        )
+        settings.check()
+        phase("fine-tuning the VAE's decoder" if args.decoder_only else "training the VAE")
+        trained = train_vae(
+            args.out, settings, checkpoint_dir=args.checkpoints, progress=not args.json, start_from=args.start_from
+        )
+        vae = load_vae(args.out)
+    phase(f"judging {args.count} round trips per set")
+    judged = judge_round_trips(vae, args.count)
+    result = {"vae": args.judge or args.out, "round_trips": judged}
+    if trained is not None:
+        result.update(seconds=round(trained.seconds, 1), scaling_factor=trained.scaling_factor, settings=trained.settings)
+    show_result(args, result, format_round_trips(result))
 
 
 def _pipeline(args):
@@ -501,10 +552,35 @@ def register(sub) -> None:
         "weights as a mini SD, to eval or sample while the run goes on",
     )
     q.add_argument("--checkpoint-every", type=positive_int, default=200, help="steps between checkpoints")
+    q.add_argument(
+        "--vae",
+        metavar="DIR",
+        help="train a latent mini SD on this VAE's latents (a folder `sdkit minisd vae` wrote, or a pipeline "
+        "folder's vae/): the model is then a stock diffusers StableDiffusionPipeline folder, its image size "
+        "the VAE's, with no place embeddings",
+    )
     q.add_argument("--cache", type=cache_folder, default=CACHE_DEFAULT, help=CACHE_HELP)
     encoder_options(q)
     add_json(q)
     q.set_defaults(minisd_func=cmd_minisd_train)
+
+    q = add_subcommand(minisd_sub, "vae", "train the latent mini SD's VAE, or judge one's round trips")
+    q.add_argument("--out", default="out/minisd-vae", help="save the trained VAE here (a new folder)")
+    q.add_argument("--judge", metavar="DIR", help="judge this VAE's round trips instead of training one")
+    q.add_argument("--steps", type=positive_int, default=1500, help="optimizer steps")
+    q.add_argument("--batch-size", type=positive_int, default=16, help="images per step")
+    q.add_argument("--lr", type=positive_float, default=1e-3, help="peak learning rate")
+    q.add_argument("--seed", type=seed, default=0, help="seed of the data stream and initialisation")
+    q.add_argument("--count", type=positive_int, default=64, help="judged round trips per set (singles, pairs)")
+    q.add_argument("--checkpoints", metavar="DIR", help="write (and resume from) a checkpoint here")
+    q.add_argument("--start-from", metavar="DIR", help="start from this trained VAE instead of random weights")
+    q.add_argument(
+        "--decoder-only",
+        action="store_true",
+        help="train the decoder alone (with --start-from): the latent space, and U-Nets trained on it, are kept",
+    )
+    add_json(q)
+    q.set_defaults(minisd_func=cmd_minisd_vae)
 
     q = add_subcommand(minisd_sub, "sample", "generate images for prompts, as a PNG grid")
     q.add_argument("prompts", nargs="+", help="captions, e.g. 'a red circle at the top left'")

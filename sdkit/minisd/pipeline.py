@@ -31,6 +31,10 @@ CONDITIONINGS = ("tokens", "pooled")
 MAX_IMAGE_SIZE = 512  # far past the 32 and 64 pixels trained here; the data are drawn at this side
 MAX_TRAIN_TIMESTEPS = 10_000  # SD's 1,000 ten times over; the scheduler allocates tables of this length
 PREDICTION_TYPES = ("epsilon", "v_prediction")  # what the sampler turns into a clean image
+# "pixels": the U-Net denoises RGB in [-1, 1] (no VAE); "latents": a VAE's grid, 8x smaller a side
+# with 4 channels, as SD's (the folder is then a stock diffusers StableDiffusionPipeline folder too).
+SPACES = ("pixels", "latents")
+LATENT_DOWNSCALE = 8
 DEFAULT_ENCODERS_DIR = "weights/encoders"
 # SD 1.x's training schedule (and, as SD, no clipping of the predicted image: with guidance, DDIM's
 # clipped x0 turns the guided noise estimate into noise). "trailing" spacing starts sampling at the
@@ -55,7 +59,7 @@ class MiniSDSpec:
     max_length: int = 77  # token positions the U-Net reads (zeros past the caption, as encoded)
     conditioning: str = "tokens"  # "tokens": every token state; "pooled": their mean, one key/value
     image_size: int = 32
-    space: str = "pixels"  # no VAE: the U-Net denoises RGB in [-1, 1]
+    space: str = "pixels"  # one of SPACES; image_size is the pixel side in either
     # Two coordinate channels (x and y in [-1, 1]) beside the pixels at the U-Net's input: a
     # positional signal SD 1.x does not have (a departure, for the ablation).
     coordinates: bool = False
@@ -100,8 +104,13 @@ class MiniSDSpec:
             return f"unknown conditioning {self.conditioning!r}; one of {', '.join(CONDITIONINGS)}"
         if not whole(self.image_size, 12) or self.image_size > MAX_IMAGE_SIZE:
             return f"image_size must be a whole number of pixels from 12 to {MAX_IMAGE_SIZE}, not {self.image_size!r}"
-        if self.space != "pixels":
-            return f"space must be 'pixels' (the mini SD has no VAE), not {self.space!r}"
+        if self.space not in SPACES:
+            return f"space must be one of {', '.join(SPACES)}, not {self.space!r}"
+        if self.space == "latents" and (self.image_size % LATENT_DOWNSCALE or self.coordinates or self.place_embeddings):
+            return (
+                f"a latent mini SD's image_size is a multiple of {LATENT_DOWNSCALE}, and it has no coordinate "
+                "channels or place embeddings (a stock StableDiffusionPipeline could not carry them)"
+            )
         if not isinstance(self.training, dict):
             return "training must be an object"
         # the parts of the record that commands read back
@@ -121,6 +130,15 @@ class MiniSDSpec:
         """Refuse a U-Net this spec cannot drive: the U-Net's image side and channels must be the
         spec's (pixels, and coordinate channels where it has them)."""
         config = unet.config
+        if self.space == "latents":
+            side = self.image_size // LATENT_DOWNSCALE
+            if config.sample_size != side or config.in_channels != 4 or config.out_channels != 4:
+                raise SdkitError(
+                    f"{source}: a latent mini SD's U-Net reads and writes {side}x{side}x4 latents "
+                    f"({SPEC_FILE}'s image_size {self.image_size} over {LATENT_DOWNSCALE}), not "
+                    f"{config.sample_size!r} a side with {config.in_channels} in and {config.out_channels} out"
+                )
+            return
         if config.sample_size != self.image_size:
             raise SdkitError(
                 f"{source}: unet/config.json sample_size {config.sample_size!r} is not {SPEC_FILE}'s "
@@ -202,6 +220,23 @@ def find_text_encoder(
     return encoder
 
 
+def load_vae(folder: str | os.PathLike):
+    """The AutoencoderKL in `folder` (a VAE folder, or a pipeline folder's vae/), with a few words on
+    what is wrong when it cannot be read."""
+    from diffusers import AutoencoderKL
+
+    path = Path(folder) / "vae" if (Path(folder) / "vae" / "config.json").is_file() else Path(folder)
+    if not (path / "config.json").is_file():
+        raise SdkitError(f"{folder}: no VAE here (no config.json here or in vae/)")
+    try:
+        vae = AutoencoderKL.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # diffusers raises many types for a bad folder: all mean that
+        raise SdkitError(f"{path}: cannot load the VAE ({first_line(e)})") from None
+    if vae.config.latent_channels != 4 or 2 ** (len(vae.config.block_out_channels) - 1) != LATENT_DOWNSCALE:
+        raise SdkitError(f"{path}: the VAE must make 4 latent channels at 1/{LATENT_DOWNSCALE} of the side")
+    return vae.eval()
+
+
 def read_scheduler_config(folder: str | os.PathLike) -> dict:
     """The model's scheduler config, checked by building the scheduler it names."""
     from diffusers import DDPMScheduler
@@ -268,9 +303,12 @@ class MiniSDPipeline:
     """Text -> image for a mini SD, in diffusers' manner: classifier-free guidance, a diffusers
     scheduler (DDIM by default), one seed per image so any image can be made again alone."""
 
-    def __init__(self, unet, scheduler_config: dict, spec: MiniSDSpec, encoder: TextEncoder | None = None):
+    def __init__(self, unet, scheduler_config: dict, spec: MiniSDSpec, encoder: TextEncoder | None = None, vae=None):
         spec.check_unet(unet)
+        if (vae is not None) != (spec.space == "latents"):
+            raise SdkitError(f"a mini SD in {spec.space} {'needs' if spec.space == 'latents' else 'has no'} VAE")
         self.unet, self.scheduler_config, self.spec, self.encoder = unet.eval(), dict(scheduler_config), spec, encoder
+        self.vae = vae.eval() if vae is not None else None
         if spec.place_embeddings:
             add_place_embeddings(unet, spec.image_size)
 
@@ -287,21 +325,50 @@ class MiniSDPipeline:
         spec = MiniSDSpec.read(folder)
         unet = load_unet(folder, allow_pickle=allow_pickle)
         spec.check_unet(unet, str(folder))
-        encoder = find_text_encoder(spec, text_encoder, encoders_dir, allow_pickle)
+        vae = load_vae(folder) if spec.space == "latents" else None
+        # a latent mini SD is a stock pipeline folder and carries its own text encoder
+        own = spec.space == "latents" and not text_encoder
+        encoder = find_text_encoder(spec, folder if own else text_encoder, encoders_dir, allow_pickle)
         if encoder.width != unet.config.cross_attention_dim:
             raise SdkitError(
                 f"{folder}: the U-Net reads {unet.config.cross_attention_dim}-wide token states, "
                 f"{encoder.source} gives {encoder.width}-wide ones"
             )
-        return cls(unet, read_scheduler_config(folder), spec, encoder)
+        return cls(unet, read_scheduler_config(folder), spec, encoder, vae)
 
     def save_pretrained(self, folder: str | os.PathLike) -> None:
-        from diffusers import DDPMScheduler
+        """A pixel mini SD: unet/, scheduler/ and minisd.json. A latent one: a stock diffusers
+        StableDiffusionPipeline folder (model_index.json, unet/, vae/, text_encoder/, tokenizer/,
+        scheduler/ with DDIM, no safety checker) with minisd.json beside."""
+        from diffusers import DDIMScheduler, DDPMScheduler
 
         with atomic_folder(folder, MODEL_FOLDER) as tmp:  # a crash leaves the old model (or none), never half of one
-            self.unet.save_pretrained(tmp / "unet")
-            DDPMScheduler.from_config(self.scheduler_config).save_pretrained(tmp / "scheduler")
+            if self.spec.space == "latents":
+                # steps_offset 1, or diffusers' pipeline rewrites it with a deprecation notice at
+                # each load; under "trailing" spacing (every mini SD's) DDIM does not read it
+                scheduler = DDIMScheduler.from_config({**self.scheduler_config, "steps_offset": 1})
+                self.stock_pipeline(scheduler).save_pretrained(tmp)
+            else:
+                self.unet.save_pretrained(tmp / "unet")
+                DDPMScheduler.from_config(self.scheduler_config).save_pretrained(tmp / "scheduler")
             self.spec.write(tmp)
+
+    def stock_pipeline(self, scheduler=None):
+        """This latent mini SD as diffusers' own StableDiffusionPipeline (the same modules, shared)."""
+        from diffusers import DDIMScheduler, StableDiffusionPipeline
+
+        if self.spec.space != "latents" or self.encoder is None:
+            raise SdkitError("only a latent mini SD with its text encoder is a StableDiffusionPipeline")
+        return StableDiffusionPipeline(
+            vae=self.vae,
+            text_encoder=self.encoder.model,
+            tokenizer=self.encoder.tokenizer,
+            unet=self.unet,
+            scheduler=scheduler or DDIMScheduler.from_config(self.scheduler_config),
+            safety_checker=None,
+            feature_extractor=None,
+            requires_safety_checker=False,
+        )
 
     def model_input(self, sample: torch.Tensor) -> torch.Tensor:
         """What the U-Net reads for a (noisy) sample: the pixels, and coordinate channels if it has them."""
@@ -503,7 +570,15 @@ class MiniSDPipeline:
                 f"sampling gave non-finite pixels (guidance scale {guidance_scale:g}, {steps} steps): the "
                 "guided noise prediction overflowed; use a guidance scale nearer the trained range (1-10)"
             )
+        if self.vae is not None:
+            sample = self.decode(sample)
         return sample.float().cpu(), (steerer.losses if steering is not None else [])
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Scaled latents -> pixels in [-1, 1], as diffusers' pipeline decodes them."""
+        vae = self.vae
+        return vae.decode(latents.to(vae.dtype) / vae.config.scaling_factor).sample.clamp(-1, 1)
 
 
 def _as_output(pixels: torch.Tensor, output_type: str):

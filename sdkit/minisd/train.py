@@ -46,8 +46,10 @@ from . import LR_SCHEDULES, PRECISIONS
 from .data import all_captions, parse_caption, sample_at, to_model
 from .pipeline import (
     CONDITIONINGS,
+    LATENT_DOWNSCALE,
     MAX_IMAGE_SIZE,
     SCHEDULER_CONFIG,
+    SPACES,
     MiniSDPipeline,
     MiniSDSpec,
     add_coordinates,
@@ -119,6 +121,9 @@ class TrainSettings:
     timestep_bias: float = 3.0
     timestep_bias_from: int = 900
     seed: int = 0
+    # "pixels": the U-Net denoises the images; "latents": it denoises a VAE's latents of them (image_size
+    # is the pixel side either way), drawn from the encoder's posterior and scaled, as SD trained.
+    space: str = "pixels"
     # "bf16": torch's autocast (bfloat16 convolutions and matmuls on float32 weights); "bf16-fp32-ends":
     # the same with the U-Net's first and last layers in float32 (ends_in_float32); "fp32";
     # "auto": bf16-fp32-ends on a GPU that has bfloat16, fp32 on a CPU (resolve_precision).
@@ -175,6 +180,13 @@ class TrainSettings:
             raise SdkitError(f"unknown lr_schedule {self.lr_schedule!r}; choose one of {', '.join(LR_SCHEDULES)}")
         if self.precision not in PRECISIONS:
             raise SdkitError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
+        if self.space not in SPACES:
+            raise SdkitError(f"unknown space {self.space!r}; choose one of {', '.join(SPACES)}")
+        if self.space == "latents" and (self.coordinates or self.place_embeddings):
+            raise SdkitError(
+                "a latent mini SD is a stock StableDiffusionPipeline, which has no coordinate channels or "
+                "place embeddings: turn them off"
+            )
 
 
 # Settings added after models were trained and recorded, with the value every earlier run had.
@@ -190,6 +202,7 @@ ADDED_SETTINGS = {
     "timestep_bias": 1.0,
     "timestep_bias_from": 900,
     "lr_schedule": "cosine",
+    "space": "pixels",
 }
 
 
@@ -318,7 +331,9 @@ def batch_at(
     # process, a batch over two processes would be another batch than over one.
     generator = torch.Generator().manual_seed(hash_seed(settings.seed, step, 0))
     share = slice(process * per_process, (process + 1) * per_process)
-    noise = torch.randn((settings.batch_size, *pixels.shape[1:]), generator=generator)[share]
+    side = settings.image_size // LATENT_DOWNSCALE
+    shape = (4, side, side) if settings.space == "latents" else pixels.shape[1:]
+    noise = torch.randn((settings.batch_size, *shape), generator=generator)[share]
     timesteps = draw_timesteps(settings, generator)[share]
     noised_from = pixels
     if settings.swap_fraction:
@@ -491,6 +506,14 @@ def ends_in_float32(unet) -> None:
 
     for module in (unet.conv_in, unet.time_embedding, unet.conv_norm_out, unet.conv_out):
         module.forward = float32_forward(module)
+
+
+@torch.no_grad()
+def encode_latents(vae, pixels: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Pixels in [-1, 1] -> scaled latents drawn from the VAE's posterior (as SD's training drew them)."""
+    posterior = vae.encode(pixels.to(vae.dtype)).latent_dist
+    draw = torch.randn(posterior.mean.shape, generator=generator).to(posterior.mean.device)
+    return ((posterior.mean + posterior.std * draw) * vae.config.scaling_factor).float()
 
 
 def scheduler_config(settings: TrainSettings) -> dict:
@@ -699,7 +722,18 @@ def check_training_fits(config: dict, batch_size: int, device: torch.device) -> 
         )
 
 
-def run_fingerprint(settings: TrainSettings, unet_config: dict, encoder: TextEncoder) -> str:
+def vae_fingerprint(vae) -> str | None:
+    """The VAE's config and a hash of its weights (a few MB: hashed in well under a second)."""
+    if vae is None:
+        return None
+    digest = hashlib.sha256(json.dumps(dict(vae.config), sort_keys=True, default=str).encode())
+    for name, tensor in sorted(vae.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def run_fingerprint(settings: TrainSettings, unet_config: dict, encoder: TextEncoder, vae=None) -> str:
     """Everything that decides the trained weights; a checkpoint from another run is refused."""
     data = {
         "format": 2,
@@ -707,6 +741,8 @@ def run_fingerprint(settings: TrainSettings, unet_config: dict, encoder: TextEnc
         "unet": dict(unet_config),
         "encoder": encoder_fingerprint(encoder),
     }
+    if vae is not None:
+        data["vae"] = vae_fingerprint(vae)
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -720,8 +756,13 @@ def train(
     cache_dir: str | os.PathLike | None = None,
     progress: bool = True,
     stop_after: int | None = None,
+    vae=None,
 ) -> TrainResult:
     """Train a mini SD and save it (EMA weights) to `out` as a model folder.
+
+    With settings.space "latents", `vae` (a diffusers AutoencoderKL, kept frozen) makes the latents,
+    the encoder must encode as a stock pipeline does (encoders.for_stock_pipeline), and `out` is a
+    stock StableDiffusionPipeline folder.
 
     With `checkpoint_dir`, the full state (weights, EMA, optimizer, step) is written there every
     `checkpoint_every` steps, and a run that finds a checkpoint of the same run resumes from it.
@@ -742,10 +783,26 @@ def train(
     if checkpoint_dir:
         check_output(checkpoint_dir, "checkpoint folder", folder=True)
         check_output_folder(Path(checkpoint_dir) / IN_PROGRESS, MODEL_FOLDER, "checkpoint's model folder")
-    config = dict(unet_config or preset_config("minisd"))
-    config["sample_size"] = settings.image_size
-    config["in_channels"] = config.get("out_channels", 3) + (2 if settings.coordinates else 0)
-    halvings = 2 ** (len(config.get("block_out_channels", ())) - 1)
+    latent = settings.space == "latents"
+    config = dict(unet_config or preset_config("minisd-latent" if latent else "minisd"))
+    if latent:
+        if vae is None or vae.config.sample_size != settings.image_size:
+            raise SdkitError(
+                f"latent training needs a VAE made for {settings.image_size}-pixel images"
+                + ("" if vae is None else f" (this one reads {vae.config.sample_size})")
+            )
+        if not encoder.pads_with_states or encoder.max_length != settings.context_length:
+            raise SdkitError(
+                "latent training encodes captions as the stock pipeline will: use "
+                "encoders.for_stock_pipeline(encoder, context_length)"
+            )
+        config.update(sample_size=settings.image_size // LATENT_DOWNSCALE, in_channels=4, out_channels=4)
+    elif vae is not None:
+        raise SdkitError("a VAE is for space 'latents'; a pixel mini SD denoises the images themselves")
+    else:
+        config["sample_size"] = settings.image_size
+        config["in_channels"] = config.get("out_channels", 3) + (2 if settings.coordinates else 0)
+    halvings = 2 ** (len(config.get("block_out_channels", ())) - 1) * (LATENT_DOWNSCALE if latent else 1)
     if settings.image_size % halvings:
         raise SdkitError(
             f"image_size {settings.image_size} does not halve {halvings.bit_length() - 1} times "
@@ -804,7 +861,9 @@ def train(
     optimizer = torch.optim.AdamW(
         [weights], lr=settings.lr, weight_decay=settings.weight_decay, fused=device.type in ("cpu", "cuda")
     )
-    fingerprint = run_fingerprint(settings, config, encoder)
+    if vae is not None:
+        vae = vae.to(device).eval().requires_grad_(False)
+    fingerprint = run_fingerprint(settings, config, encoder, vae)
     checkpoint = Path(checkpoint_dir) / CHECKPOINT if checkpoint_dir else None
     start, history, earlier = 0, [], 0.0
     if checkpoint and checkpoint.is_file():
@@ -838,10 +897,13 @@ def train(
         for step in range(start, settings.steps):
             batch = batch_at(step, settings, captions, accelerator.process_index, accelerator.num_processes)
             pixels, states, noise, timesteps = (t.to(accelerator.device) for t in batch[:4])
+            noised_from = batch.noised_from.to(device)
+            if latent:  # "pixels" from here on are the latents the U-Net denoises
+                draw = torch.Generator().manual_seed(hash_seed(settings.seed, step, "latents"))
+                pixels = encode_latents(vae, pixels, draw)
+                noised_from = pixels if not settings.swap_fraction else encode_latents(vae, noised_from, draw)
             if settings.swap_fraction:
-                noisy, noise = noised_from_swapped(
-                    pixels, batch.noised_from.to(device), noise, timesteps, noise_scheduler
-                )
+                noisy, noise = noised_from_swapped(pixels, noised_from, noise, timesteps, noise_scheduler)
             else:
                 noisy = noise_scheduler.add_noise(pixels, noise, timesteps)
             noisy = add_coordinates(noisy) if settings.coordinates else noisy
@@ -909,6 +971,7 @@ def train(
                     settings,
                     encoder,
                     {**trained_on, "checkpoint_step": done, "total_seconds": round(so_far, 1), "history": history},
+                    vae,
                 )
             if stop:
                 raise Interrupted(f"stopped after step {done}")
@@ -938,12 +1001,13 @@ def train(
                 "samples_per_second": round(result.samples_per_second, 2),
                 "history": history,
             },
+            vae,
         )
     return result
 
 
 def save_ema_model(
-    out: str | os.PathLike, ema, config: dict, settings: TrainSettings, encoder: TextEncoder, training: dict
+    out: str | os.PathLike, ema, config: dict, settings: TrainSettings, encoder: TextEncoder, training: dict, vae=None
 ) -> None:
     """The EMA weights as a mini SD folder, with `training` as its record of how they were made."""
     from ..presets import build_unet
@@ -960,9 +1024,14 @@ def save_ema_model(
         image_size=settings.image_size,
         coordinates=settings.coordinates,
         place_embeddings=settings.place_embeddings,
+        space=settings.space,
         training=training,
     )
-    MiniSDPipeline(unet, scheduler_config(settings), spec).save_pretrained(out)
+    if vae is not None:
+        vae = vae.to("cpu")
+    MiniSDPipeline(unet, scheduler_config(settings), spec, encoder if vae is not None else None, vae).save_pretrained(out)
+    if vae is not None:
+        vae.to(ema.shadow_params[0].device)
 
 
 def save_checkpoint(

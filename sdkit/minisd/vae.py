@@ -1,0 +1,322 @@
+"""The latent mini SD's VAE: diffusers' AutoencoderKL shaped like SD's, scaled down, trained here.
+
+SD 1.x's VAE takes 512 x 512 pixels to a 64 x 64 x 4 latent grid: 8x down in three halvings, four
+latent channels, and its U-Net denoises that grid. This one keeps the halvings and the channels,
+with an eighth of SD's widths and one ResNet per level instead of two, and reads the generator's
+images at 128 px: a 16 x 16 x 4 grid in which an object (0.28 of the side) is about 4.5 cells
+wide, as a cat in a 512-pixel photo is several of SD's cells wide. At 64 px an object would be
+2 cells and the 3x3 grid's cells under 3 each, too coarse to place them; at 256 px every training
+step would cost 4x for nothing the judge can see.
+
+Losses, as SD's were trained (Rombach et al. 2022, appendix G) as far as they fit here: an L1
+reconstruction and a KL term weighted 1e-6, both summed per image. No perceptual or adversarial
+term: they sharpen textures a photo has and these images do not; the judge on round trips decides
+whether the VAE is good enough (`judge_round_trips`), and it passes without them.
+
+    result = train_vae("weights/minisd-latent/vae")
+    vae = AutoencoderKL.from_pretrained("weights/minisd-latent/vae")
+
+The scaling factor is measured as SD's was: one over the standard deviation of latents drawn from
+the encoder's posterior on training images (SD 1.x's 0.18215), so that scaled latents have unit
+variance and the U-Net's noise schedule means what it means for SD.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..common import SdkitError, atomic_path
+from .data import sample_at, to_model
+
+LATENT_SIZE = 128  # pixels the VAE reads: 16 x 16 latent cells
+VAE_CONFIG = {
+    "in_channels": 3,
+    "out_channels": 3,
+    "down_block_types": ["DownEncoderBlock2D"] * 4,
+    "up_block_types": ["UpDecoderBlock2D"] * 4,
+    "block_out_channels": [16, 32, 64, 64],  # SD's 128, 256, 512, 512 over 8
+    "layers_per_block": 1,
+    "act_fn": "silu",
+    "latent_channels": 4,
+    "norm_num_groups": 16,
+    "sample_size": LATENT_SIZE,
+    "scaling_factor": 1.0,  # measured after training (measure_scaling_factor)
+}
+CHECKPOINT = "vae-checkpoint.safetensors"
+
+
+@dataclass
+class VAESettings:
+    steps: int = 1500
+    batch_size: int = 16
+    lr: float = 1e-3  # peak, after a linear warm-up, then cosine to zero
+    warmup_steps: int = 100
+    kl_weight: float = 1e-6  # SD's
+    pair_fraction: float = 0.5
+    image_size: int = LATENT_SIZE
+    seed: int = 0
+    # Train the decoder alone, the encoder (and so the latent space, and any U-Net trained on it)
+    # kept: how SD's VAE was improved after its U-Net was trained (sd-vae-ft-mse fine-tuned the
+    # decoder only). Needs a trained VAE to start from.
+    decoder_only: bool = False
+
+    def check(self) -> None:
+        for name in ("steps", "batch_size", "image_size"):
+            if getattr(self, name) <= 0:
+                raise SdkitError(f"{name} must be positive, not {getattr(self, name)}")
+        if not 0 < self.lr <= 1 or not math.isfinite(self.lr):
+            raise SdkitError(f"lr must be in (0, 1], not {self.lr}")
+        if not 0 <= self.kl_weight < math.inf or not 0 <= self.pair_fraction <= 1:
+            raise SdkitError("kl_weight must be a finite number >= 0 and pair_fraction a fraction")
+        if self.image_size % 8:
+            raise SdkitError(f"image_size must be a multiple of 8 (three halvings), not {self.image_size}")
+
+
+@dataclass
+class VAEResult:
+    out: str
+    settings: dict
+    seconds: float
+    scaling_factor: float
+    history: list[dict] = field(default_factory=list)
+
+
+def build_vae(config: dict | None = None, seed: int = 0):
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(seed)
+    return AutoencoderKL(**(config or VAE_CONFIG))
+
+
+def images_at(seed: int, first: int, count: int, side: int, pair_fraction: float = 0.5) -> torch.Tensor:
+    """(count, 3, side, side) in [-1, 1]: the generator's samples first..first+count of stream `seed`."""
+    return torch.from_numpy(
+        np.stack([to_model(sample_at(seed, i, side, pair_fraction).image) for i in range(first, first + count)])
+    )
+
+
+def vae_loss(vae, pixels: torch.Tensor, kl_weight: float, generator: torch.Generator) -> tuple[torch.Tensor, float]:
+    """(loss, mean absolute error per pixel value): L1 summed per image plus kl_weight x KL, as SD's."""
+    posterior = vae.encode(pixels).latent_dist
+    latents = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=generator)
+    decoded = vae.decode(latents).sample
+    l1 = (decoded - pixels).abs()
+    loss = l1.sum(dim=(1, 2, 3)).mean() + kl_weight * posterior.kl().mean()
+    return loss, float(l1.detach().mean())
+
+
+def learning_rate(step: int, settings: VAESettings) -> float:
+    if step < settings.warmup_steps:
+        return settings.lr * (step + 1) / settings.warmup_steps
+    progress = (step - settings.warmup_steps) / max(1, settings.steps - settings.warmup_steps)
+    return settings.lr * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@torch.no_grad()
+def measure_scaling_factor(vae, count: int = 512, seed: int = 10_000, batch_size: int = 64) -> float:
+    """One over the standard deviation of posterior samples on `count` training images (SD's rule)."""
+    generator = torch.Generator().manual_seed(seed)
+    drawn = []
+    for first in range(0, count, batch_size):
+        pixels = images_at(seed, first, min(batch_size, count - first), vae.config.sample_size)
+        posterior = vae.encode(pixels).latent_dist
+        drawn.append(posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=generator))
+    return 1.0 / float(torch.cat(drawn).std())
+
+
+def _save_checkpoint(path: Path, vae, optimizer, step: int, history: list, seconds: float) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {f"model.{k}": v.detach().contiguous() for k, v in vae.state_dict().items()}
+    state = optimizer.state_dict()
+    for index, values in state["state"].items():
+        for name, value in values.items():
+            tensors[f"optimizer.{index}.{name}"] = torch.as_tensor(value).detach().contiguous()
+    metadata = {
+        "step": str(step),
+        "history": json.dumps(history),
+        "seconds": repr(seconds),
+        "param_groups": json.dumps(state["param_groups"]),
+    }
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata=metadata)
+
+
+def _load_checkpoint(path: Path, vae, optimizer) -> tuple[int, list, float]:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(str(path))
+    vae.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+    state: dict = {}
+    for k, v in tensors.items():
+        if k.startswith("optimizer."):
+            _, index, name = k.split(".", 2)
+            state.setdefault(int(index), {})[name] = v
+    optimizer.load_state_dict({"state": state, "param_groups": json.loads(metadata["param_groups"])})
+    return int(metadata["step"]), json.loads(metadata["history"]), float(metadata["seconds"])
+
+
+def train_vae(
+    out: str | os.PathLike,
+    settings: VAESettings | None = None,
+    checkpoint_dir: str | os.PathLike | None = None,
+    checkpoint_every: int = 250,
+    progress: bool = True,
+    config: dict | None = None,
+    start_from: str | os.PathLike | None = None,
+) -> VAEResult:
+    """Train the VAE (VAE_CONFIG unless `config`, or the VAE in `start_from`) on the generator's
+    images and save it, with its measured scaling factor, to `out`: a diffusers AutoencoderKL
+    folder. With `checkpoint_dir`, a stopped run resumes there."""
+    from tqdm import tqdm
+
+    settings = settings or VAESettings()
+    settings.check()
+    if settings.decoder_only and start_from is None:
+        raise SdkitError("decoder_only fine-tunes a trained VAE's decoder: give the VAE to start from")
+    if start_from is not None:
+        from .pipeline import load_vae
+
+        vae = load_vae(start_from).train()
+        if vae.config.sample_size != settings.image_size:
+            raise SdkitError(f"{start_from}: reads {vae.config.sample_size}-pixel images, not {settings.image_size}")
+    else:
+        vae = build_vae({**(config or VAE_CONFIG), "sample_size": settings.image_size}, settings.seed).train()
+    if settings.decoder_only:
+        vae.encoder.requires_grad_(False)
+        if vae.quant_conv is not None:
+            vae.quant_conv.requires_grad_(False)
+    trained = [p for p in vae.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=settings.lr, weight_decay=0.0)
+    checkpoint = Path(checkpoint_dir) / CHECKPOINT if checkpoint_dir else None
+    start, history, earlier = 0, [], 0.0
+    if checkpoint and checkpoint.is_file():
+        start, history, earlier = _load_checkpoint(checkpoint, vae, optimizer)
+    began = time.perf_counter()
+    window = []
+    with tqdm(total=settings.steps, initial=start, desc="training VAE", unit="step", disable=not progress) as bar:
+        for step in range(start, settings.steps):
+            pixels = images_at(
+                settings.seed, step * settings.batch_size, settings.batch_size, settings.image_size,
+                settings.pair_fraction,
+            )
+            generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + step)
+            loss, l1 = vae_loss(vae, pixels, settings.kl_weight, generator)
+            if not math.isfinite(float(loss)):
+                raise SdkitError(f"VAE training diverged at step {step + 1}: the loss is {float(loss)} (try a lower lr)")
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(step, settings)
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(trained, 1.0)
+            optimizer.step()
+            window.append(l1)
+            done = step + 1
+            if done % 25 == 0 or done == settings.steps:
+                history.append(
+                    {"step": done, "l1": sum(window) / len(window), "seconds": round(earlier + time.perf_counter() - began, 1)}
+                )
+                bar.set_postfix(l1=f"{history[-1]['l1']:.4f}")
+                window = []
+            if checkpoint and (done % checkpoint_every == 0) and done < settings.steps:
+                _save_checkpoint(checkpoint, vae, optimizer, done, history, earlier + time.perf_counter() - began)
+            bar.update(1)
+    seconds = earlier + time.perf_counter() - began
+    vae.eval()
+    # the encoder kept, its latents' scale is the one a U-Net was trained on: kept to the bit
+    scaling = vae.config.scaling_factor if settings.decoder_only else measure_scaling_factor(vae)
+    vae.register_to_config(scaling_factor=scaling)
+    out = Path(out)
+    if out.exists():
+        raise SdkitError(f"{out}: already exists; the VAE is written to a new folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    vae.save_pretrained(tmp)
+    (tmp / "training.json").write_text(
+        json.dumps(
+            {
+                "settings": asdict(settings),
+                "started_from": None if start_from is None else str(start_from),
+                "seconds": round(seconds, 1),
+                "history": history,
+            },
+            indent=1,
+        )
+    )
+    os.replace(tmp, out)
+    return VAEResult(str(out), asdict(settings), seconds, scaling, history)
+
+
+@torch.no_grad()
+def round_trip(vae, pixels: torch.Tensor, sample_posterior: bool = False) -> torch.Tensor:
+    """Encode and decode (the posterior's mean, as a pipeline's latents come from the U-Net, not the
+    encoder); pixels in [-1, 1] in and out, clamped."""
+    posterior = vae.encode(pixels).latent_dist
+    latents = posterior.sample() if sample_posterior else posterior.mode()
+    return vae.decode(latents).sample.clamp(-1, 1)
+
+
+def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Peak signal-to-noise ratio in dB of images in [-1, 1] (peak-to-peak 2)."""
+    mse = float(((a - b) ** 2).mean())
+    return math.inf if mse == 0 else 10 * math.log10(4 / mse)
+
+
+@torch.no_grad()
+def judge_round_trips(vae, count: int = 64, batch_size: int = 32) -> dict:
+    """The judge on VAE round trips of the evaluation sets' scenes (rendered with the generator's
+    jitter): per set, the judged accuracy of the originals and of the round trips, and PSNR."""
+    import random
+
+    from .data import render
+    from .evaluate import prompt_set
+    from .judge import accuracy, judge
+
+    side = vae.config.sample_size
+    out = {}
+    for name in ("singles", "pairs"):
+        scenes = prompt_set(name, count)
+        originals = torch.from_numpy(
+            np.stack([to_model(render(s, side, random.Random(f"vae:{i}")).image) for i, s in enumerate(scenes)])
+        )
+        trips = torch.cat([round_trip(vae, originals[i : i + batch_size]) for i in range(0, count, batch_size)])
+
+        def judged(pixels):
+            return accuracy([judge(np.clip(p.numpy().transpose(1, 2, 0) / 2 + 0.5, 0, 1), s) for p, s in zip(pixels, scenes)])
+
+        out[name] = {"originals": judged(originals), "round_trips": judged(trips), "psnr_db": psnr(trips, originals)}
+    return out
+
+
+def format_round_trips(result: dict) -> str:
+    """The judged round trips as a table (one row per set: originals, round trips, PSNR)."""
+    from ..common import format_table
+
+    rows = [
+        [
+            name,
+            f"{100 * judged['originals']['all']:.1f} %",
+            f"{100 * judged['round_trips']['all']:.1f} %",
+            f"{judged['psnr_db']:.1f} dB",
+        ]
+        for name, judged in result["round_trips"].items()
+    ]
+    lines = [format_table(["set", "originals judged all", "round trips judged all", "PSNR"], rows, f"VAE {result['vae']}")]
+    if "seconds" in result:
+        lines.append(
+            f"trained {result['settings']['steps']} steps in {result['seconds']:.0f} s; "
+            f"scaling factor {result['scaling_factor']:.5f}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,161 @@
+"""The latent mini SD: a VAE trained here, a U-Net on its latents, saved as a stock diffusers
+StableDiffusionPipeline folder that diffusers loads and samples as sdkit does, to the bit."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from sdkit.common import SdkitError
+from sdkit.encoders import for_stock_pipeline
+from sdkit.minisd.pipeline import MiniSDPipeline, MiniSDSpec
+from sdkit.minisd.train import TrainSettings, train
+from sdkit.minisd.vae import VAE_CONFIG, VAESettings, judge_round_trips, measure_scaling_factor, train_vae
+
+# Four halvings' worth of levels, as SD's VAE, at widths that train in a second
+MICRO_VAE = {**VAE_CONFIG, "block_out_channels": [8, 8, 8, 8], "norm_num_groups": 4}
+
+
+def micro_latent_unet(width: int) -> dict:
+    return {
+        "_class_name": "UNet2DConditionModel",
+        "block_out_channels": [16, 32],
+        "layers_per_block": 1,
+        "norm_num_groups": 8,
+        "attention_head_dim": 2,
+        "cross_attention_dim": width,
+        "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"],
+        "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"],
+    }
+
+
+@pytest.fixture(scope="module")
+def micro_vae(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("vae") / "vae"
+    result = train_vae(folder, VAESettings(steps=3, batch_size=2, warmup_steps=1, image_size=32), config=MICRO_VAE)
+    return folder, result
+
+
+@pytest.fixture(scope="module")
+def latent_minisd(bert, micro_vae, tmp_path_factory):
+    from sdkit.minisd.pipeline import load_vae
+
+    out = tmp_path_factory.mktemp("latent") / "model"
+    settings = TrainSettings(
+        steps=2, batch_size=4, warmup_steps=1, image_size=32, space="latents", place_embeddings=False, compile=False
+    )
+    train(
+        out,
+        for_stock_pipeline(bert, settings.context_length),
+        settings,
+        micro_latent_unet(bert.width),
+        progress=False,
+        vae=load_vae(micro_vae[0]),
+    )
+    return out
+
+
+def test_vae_folder_is_diffusers_and_its_scaling_factor_is_measured(micro_vae):
+    from diffusers import AutoencoderKL
+
+    folder, result = micro_vae
+    vae = AutoencoderKL.from_pretrained(folder)
+    assert vae.config.scaling_factor == pytest.approx(result.scaling_factor)
+    # SD's rule: latents times the factor have unit standard deviation on training images
+    original = vae.config.scaling_factor
+    vae.register_to_config(scaling_factor=1.0)
+    assert measure_scaling_factor(vae, count=64) == pytest.approx(original, rel=0.05)
+    assert json.loads((folder / "training.json").read_text())["settings"]["steps"] == 3
+
+
+def test_vae_resumes_from_its_checkpoint_to_the_same_weights(tmp_path):
+    from safetensors.torch import load_file
+
+    settings = VAESettings(steps=4, batch_size=2, warmup_steps=1, image_size=32)
+    train_vae(tmp_path / "whole", settings, config=MICRO_VAE, progress=False)
+    # a run that checkpoints at step 2 (and finishes); a second run on its checkpoint resumes there
+    train_vae(tmp_path / "first", settings, tmp_path / "ck", checkpoint_every=2, progress=False, config=MICRO_VAE)
+    resumed = train_vae(tmp_path / "resumed", settings, tmp_path / "ck", progress=False, config=MICRO_VAE)
+    assert resumed.history[0]["step"] == 4 or len(resumed.history) == 1
+    name = "diffusion_pytorch_model.safetensors"
+    whole, again = load_file(tmp_path / "whole" / name), load_file(tmp_path / "resumed" / name)
+    assert all(torch.equal(whole[k], again[k]) for k in whole)
+    with pytest.raises(SdkitError, match="already exists"):
+        train_vae(tmp_path / "whole", settings, config=MICRO_VAE, progress=False)
+
+
+def test_round_trips_are_judged_against_the_originals(micro_vae):
+    from diffusers import AutoencoderKL
+
+    judged = judge_round_trips(AutoencoderKL.from_pretrained(micro_vae[0]), count=4)
+    assert set(judged) == {"singles", "pairs"}
+    for row in judged.values():
+        assert row["originals"]["all"] == 1.0  # the judge reads the generator's own images right
+        assert 0 <= row["round_trips"]["all"] <= 1 and np.isfinite(row["psnr_db"])
+
+
+def test_a_latent_mini_sd_is_a_stock_pipeline_that_samples_as_sdkit_does(latent_minisd):
+    from diffusers import StableDiffusionPipeline
+
+    index = json.loads((latent_minisd / "model_index.json").read_text())
+    assert index["_class_name"] == "StableDiffusionPipeline" and index["safety_checker"] == [None, None]
+    assert MiniSDSpec.read(latent_minisd).space == "latents"
+    stock = StableDiffusionPipeline.from_pretrained(latent_minisd)
+    ours = MiniSDPipeline.from_pretrained(latent_minisd)
+    prompt = "a red circle at the top left"
+    image = stock(
+        prompt, num_inference_steps=4, guidance_scale=4.0, generator=torch.Generator().manual_seed(3), output_type="np"
+    ).images
+    assert image.shape == (1, 32, 32, 3)
+    assert np.array_equal(image, ours([prompt], num_inference_steps=4, guidance_scale=4.0, seeds=[3]).images)
+    # what the U-Net was trained on is what diffusers' encode_prompt gives, the empty prompt too
+    positive, negative = stock.encode_prompt([prompt], "cpu", 1, True, [""])
+    assert torch.equal(positive, ours.encode([prompt])) and torch.equal(negative, ours.encode([""]))
+
+
+def test_the_stock_encoder_is_a_copy(bert):
+    stock = for_stock_pipeline(bert, 24)
+    assert stock.pads_with_states and not bert.pads_with_states
+    assert stock.tokenizer.model_max_length == 24 and bert.tokenizer.model_max_length != 24
+    states = stock.encode(["a red circle"])
+    assert states.shape == (1, 24, bert.width) and states[0, -1].abs().sum() > 0  # pads hold states
+    assert bert.encode(["a red circle"])[0, 5:].abs().sum() == 0  # the original still zeros them
+
+
+def test_latent_training_refuses_what_a_stock_pipeline_cannot_carry(bert, micro_vae, tmp_path):
+    from sdkit.minisd.pipeline import load_vae
+
+    vae = load_vae(micro_vae[0])
+    with pytest.raises(SdkitError, match="place embeddings"):
+        TrainSettings(space="latents", place_embeddings=True).check()
+    settings = TrainSettings(steps=1, batch_size=2, image_size=32, space="latents", place_embeddings=False)
+    with pytest.raises(SdkitError, match="for_stock_pipeline"):
+        train(tmp_path / "a", bert, settings, micro_latent_unet(bert.width), progress=False, vae=vae)
+    with pytest.raises(SdkitError, match="VAE made for 64"):
+        train(
+            tmp_path / "b",
+            for_stock_pipeline(bert, 24),
+            TrainSettings(steps=1, batch_size=2, image_size=64, space="latents", place_embeddings=False),
+            micro_latent_unet(bert.width),
+            progress=False,
+            vae=vae,
+        )
+    with pytest.raises(SdkitError, match="a VAE is for space 'latents'"):
+        train(tmp_path / "c", bert, TrainSettings(steps=1, batch_size=2), progress=False, vae=vae)
+
+
+def test_a_latent_spec_with_a_pixel_unet_is_refused(latent_minisd, micro_minisd):
+    from sdkit.loading import load_unet
+
+    spec = MiniSDSpec.read(latent_minisd)
+    with pytest.raises(SdkitError, match="16x16x4|4x4x4"):
+        spec.check_unet(load_unet(micro_minisd[0]))
+
+
+def test_cli_trains_a_latent_model_and_judges_a_vae(cli, bert, micro_vae, tmp_path):
+    code, out, err = cli("minisd", "vae", "--judge", micro_vae[0], "--count", "2", "--json")
+    assert code == 0, err
+    assert set(json.loads(out)["round_trips"]) == {"singles", "pairs"}
+    code, out, err = cli("minisd", "vae", "--judge", micro_vae[0], "--steps", "3")
+    assert code == 2 and "--steps does not apply with --judge" in err
