@@ -159,3 +159,50 @@ def test_cli_trains_a_latent_model_and_judges_a_vae(cli, bert, micro_vae, tmp_pa
     assert set(json.loads(out)["round_trips"]) == {"singles", "pairs"}
     code, out, err = cli("minisd", "vae", "--judge", micro_vae[0], "--steps", "3")
     assert code == 2 and "--steps does not apply with --judge" in err
+
+
+def test_a_fine_tuned_decoder_goes_in_and_another_vae_is_refused(latent_minisd, micro_vae, tmp_path):
+    import shutil
+
+    from sdkit.minisd.pipeline import load_vae
+    from sdkit.minisd.vae import install_vae, total_training_seconds
+
+    model = tmp_path / "model"
+    shutil.copytree(latent_minisd, model)
+    settings = VAESettings(steps=2, batch_size=2, warmup_steps=1, image_size=32, decoder_only=True)
+    tuned = train_vae(tmp_path / "tuned", settings, start_from=micro_vae[0], progress=False)
+    assert tuned.scaling_factor == micro_vae[1].scaling_factor  # the encoder kept, so its scale
+    before, after = load_vae(micro_vae[0]).state_dict(), load_vae(tmp_path / "tuned").state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before if k.startswith("encoder."))
+    assert not all(torch.equal(before[k], after[k]) for k in before if k.startswith("decoder."))
+    record = json.loads((tmp_path / "tuned" / "training.json").read_text())
+    assert total_training_seconds(record) == pytest.approx(tuned.seconds + micro_vae[1].seconds, abs=0.2)
+    install_vae(model, tmp_path / "tuned", record)
+    decoder = load_vae(model).state_dict()
+    assert all(torch.equal(decoder[k], after[k]) for k in after)
+    assert MiniSDSpec.read(model).training["vae"]["settings"]["decoder_only"] is True
+    # a VAE trained apart has another encoder: the U-Net's latents would mean nothing to it
+    other = train_vae(tmp_path / "other", VAESettings(steps=1, batch_size=2, image_size=32, seed=1), config=MICRO_VAE)
+    assert other.seconds > 0
+    with pytest.raises(SdkitError, match="its encoder is not"):
+        install_vae(model, tmp_path / "other")
+
+
+SHIPPED = "weights/minisd-latent"
+
+
+@pytest.mark.slow  # reads the real text encoder (the slow run fetches it) and samples 128-pixel images
+@pytest.mark.parametrize("guidance", [7.5, 4.0])  # diffusers' default, and sdkit's
+def test_the_shipped_latent_model_is_a_stable_diffusion_whose_image_the_judge_passes(guidance):
+    from diffusers import StableDiffusionPipeline
+
+    from sdkit.minisd.data import parse_caption
+    from sdkit.minisd.judge import judge
+
+    pipe = StableDiffusionPipeline.from_pretrained(SHIPPED)
+    prompt = "a red circle at the top left"
+    image = pipe(
+        prompt, num_inference_steps=25, guidance_scale=guidance, generator=torch.Generator().manual_seed(0)
+    ).images[0]
+    assert image.size == (128, 128)
+    assert judge(np.asarray(image, dtype=np.float32) / 255, parse_caption(prompt)).all

@@ -576,7 +576,59 @@ def editing_reweight_table() -> str:
     return markdown(["colour word's attention", "its colour shown", "images"], rows)
 
 
+def latent_vae_table() -> str:
+    """The VAE's round trips judged (the generator's images, then encoded and decoded), and PSNR."""
+    data = load("latent_vae")
+    rows = [
+        [
+            SET_NAMES[name],
+            pct(row["originals"]["all"]),
+            f"**{pct(row['round_trips']['all'])}**",
+            f"{row['psnr_db']:.1f} dB",
+        ]
+        for name, row in data["round_trips"].items()
+    ]
+    return markdown(["set", "generator images judged all", "VAE round trips judged all", "PSNR"], rows)
+
+
+def latent_vs_pixel_table() -> str:
+    """The pixel and the latent mini SD side by side (latent_vs_pixel.json, scripts/latent_vs_pixel.py)."""
+    pixel, latent = load("latent_vs_pixel")["rows"]
+
+    def judged(row, name):
+        cell = row["judged"][name]
+        return f"{pct(cell['all'])} {interval(cell['interval'])}"
+
+    def minutes(seconds):
+        return "-" if seconds is None else f"{seconds / 60:.0f} min"
+
+    def cross(row):
+        return ", ".join(
+            f"{c['grid']}x{c['grid']}: {c['entries']:,} ({c['layers']} layers)" for c in row["cross_attention"]
+        )
+
+    measures = [
+        ("denoises", lambda r: f"{r['space']}, {r['grid']} ({r['image_size']} px images)"),
+        ("pairs judged all [95 % CI]", lambda r: judged(r, "pairs")),
+        ("single objects judged all", lambda r: judged(r, "singles")),
+        ("held-out pairs judged all", lambda r: judged(r, "held_out_pairs")),
+        (
+            "U-Net training",
+            lambda r: f"{r['training_steps']:,} steps of {r['training_batch']}, {minutes(r['training_seconds'])}",
+        ),
+        ("training samples/s", lambda r: f"{r['training_samples_per_second']:.1f}"),
+        ("VAE training", lambda r: "no VAE" if r["space"] == "pixels" else minutes(r["vae_training_seconds"])),
+        ("sampling, s per image (25 steps)", lambda r: f"{r['sampling_seconds_per_image']:.2f}"),
+        ("cross-attention score table per head and layer (cells x tokens)", cross),
+        ("U-Net GFLOPs per sampling step (both guidance halves)", lambda r: f"{r['unet_flops_per_step'] / 1e9:.2f}"),
+    ]
+    rows = [[name, fn(pixel), fn(latent)] for name, fn in measures]
+    return markdown(["", "pixel mini SD", "latent mini SD"], rows)
+
+
 TABLES = {
+    "latent-vae": latent_vae_table,
+    "latent-vs-pixel": latent_vs_pixel_table,
     "timings": timings_table,
     "compute": compute_table,
     "eval": eval_table,

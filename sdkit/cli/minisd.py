@@ -121,6 +121,7 @@ def cmd_minisd_train(args) -> None:
         cache_dir=args.cache,
         progress=not args.json,
         vae=vae,
+        vae_record=None if vae is None else vae_training_record(args.vae),
     )
     last = result.history[-1]["loss"] if result.history else float("nan")
     if result.resumed_from == result.steps:
@@ -137,6 +138,26 @@ def cmd_minisd_train(args) -> None:
     show_result(args, asdict(result), table)
 
 
+def vae_training_record(folder: str) -> dict | None:
+    """How the VAE in `folder` was trained (its training.json, `sdkit minisd vae` writes it), without
+    the loss history; None for a VAE from elsewhere."""
+    import json
+    from pathlib import Path
+
+    path = Path(folder) / "training.json"
+    if not path.is_file():
+        if (Path(folder) / "minisd.json").is_file():  # a latent mini SD keeps its VAE's record in its own
+            from ..minisd.pipeline import MiniSDSpec
+
+            return MiniSDSpec.read(folder).training.get("vae")
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except ValueError:
+        raise SdkitError(f"{path}: not valid JSON") from None
+    return {k: v for k, v in record.items() if k != "history"} if isinstance(record, dict) else None
+
+
 def cmd_minisd_vae(args) -> None:
     from ..minisd.vae import VAESettings, format_round_trips, judge_round_trips, train_vae
 
@@ -144,12 +165,16 @@ def cmd_minisd_vae(args) -> None:
         from ..minisd.pipeline import load_vae
 
         refuse_options(
-            args, ("out", "steps", "batch_size", "lr", "seed", "checkpoints", "start_from", "decoder_only"), "with --judge"
+            args,
+            ("out", "steps", "batch_size", "lr", "seed", "checkpoints", "start_from", "decoder_only"),
+            "with --judge",
         )
         check_input(args.judge, "--judge")
         vae, trained = load_vae(args.judge), None
     else:
         check_outputs(args, folders=("out", "checkpoints"))
+        if args.into:
+            check_input(args.into, "--into")
         if args.decoder_only and not args.start_from:
             raise SdkitError("--decoder-only fine-tunes a trained VAE's decoder: give it with --start-from DIR")
         if args.start_from:
@@ -167,7 +192,23 @@ def cmd_minisd_vae(args) -> None:
     judged = judge_round_trips(vae, args.count)
     result = {"vae": args.judge or args.out, "round_trips": judged}
     if trained is not None:
-        result.update(seconds=round(trained.seconds, 1), scaling_factor=trained.scaling_factor, settings=trained.settings)
+        result.update(
+            seconds=round(trained.seconds, 1), scaling_factor=trained.scaling_factor, settings=trained.settings
+        )
+    else:
+        from ..minisd.vae import total_training_seconds
+
+        result.update(
+            scaling_factor=vae.config.scaling_factor,
+            training=vae_training_record(args.judge),
+            training_seconds=total_training_seconds(vae_training_record(args.judge)),
+        )
+    if args.into:
+        from ..minisd.vae import install_vae
+
+        phase(f"putting the VAE into {args.into}")
+        install_vae(args.into, result["vae"], vae_training_record(result["vae"]))
+        result["installed_into"] = args.into
     show_result(args, result, format_round_trips(result))
 
 
@@ -578,6 +619,12 @@ def register(sub) -> None:
         "--decoder-only",
         action="store_true",
         help="train the decoder alone (with --start-from): the latent space, and U-Nets trained on it, are kept",
+    )
+    q.add_argument(
+        "--into",
+        metavar="MODEL",
+        help="then put the VAE into this latent mini SD folder in place of its own (only a decoder fine-tuned "
+        "from the model's own VAE: the latents its U-Net read are kept)",
     )
     add_json(q)
     q.set_defaults(minisd_func=cmd_minisd_vae)

@@ -3,7 +3,8 @@
 data.py      captioned shapes with known masks (the generator)
 judge.py     reads colour, place and shape back from pixels
 pipeline.py  the model folder and text -> image sampling
-train.py     `sdkit minisd train`
+train.py     `sdkit minisd train` (pixels, or a VAE's latents as a stock StableDiffusionPipeline)
+vae.py       `sdkit minisd vae`: the latent mini SD's VAE
 evaluate.py  `sdkit minisd eval`: judged accuracy against floors
 """
 

@@ -18,6 +18,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+import torch
 
 from ..common import SdkitError, format_table, save_figure
 from .data import (
@@ -27,10 +28,12 @@ from .data import (
     RELATIONS,
     SINGLE_TEMPLATES,
     Scene,
+    from_model,
     pair_scene,
     random_scene,
     render,
     single_scene,
+    to_model,
 )
 from .judge import HEADERS, accuracy, accuracy_cells, accuracy_intervals, judge
 from .pipeline import MiniSDPipeline, check_images_fit
@@ -154,8 +157,14 @@ def evaluate(
     if floors:
         results["empty prompt"], results["untrained"] = {}, {}
         untrained = MiniSDPipeline(
-            build_unet(dict(pipe.unet.config), weights="random", seed=0), pipe.scheduler_config, pipe.spec, pipe.encoder
+            build_unet(dict(pipe.unet.config), weights="random", seed=0),
+            pipe.scheduler_config,
+            pipe.spec,
+            pipe.encoder,
+            pipe.vae,
         )
+    if pipe.vae is not None:  # the most a latent model's images can show: the generator's, through the VAE
+        results["judge, VAE round trips"] = {}
     for name, set_scenes in scenes.items():
         captions = [s.caption for s in set_scenes]
         seeds = list(range(len(set_scenes)))
@@ -164,6 +173,13 @@ def evaluate(
         sigma = BLUR_PIXELS * pipe.spec.image_size / 32
         soft = np.stack([blurred(image, sigma, BLUR_NOISE, seed=i) for i, image in enumerate(truth)])
         results["judge, blurred generator images"][name] = judge_images(soft, set_scenes)[0]
+        if pipe.vae is not None:
+            from .vae import round_trip
+
+            trips = round_trip(pipe.vae, torch.from_numpy(np.stack([to_model(image) for image in truth])))
+            results["judge, VAE round trips"][name] = judge_images(
+                np.stack([from_model(t) for t in trips]), set_scenes
+            )[0]
         states = pipe.encode(captions)
         began = time.perf_counter()
         guides = None if steering is None else caption_guides(pipe.encoder, captions, pipe.spec.image_size)

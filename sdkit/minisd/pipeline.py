@@ -106,7 +106,9 @@ class MiniSDSpec:
             return f"image_size must be a whole number of pixels from 12 to {MAX_IMAGE_SIZE}, not {self.image_size!r}"
         if self.space not in SPACES:
             return f"space must be one of {', '.join(SPACES)}, not {self.space!r}"
-        if self.space == "latents" and (self.image_size % LATENT_DOWNSCALE or self.coordinates or self.place_embeddings):
+        if self.space == "latents" and (
+            self.image_size % LATENT_DOWNSCALE or self.coordinates or self.place_embeddings
+        ):
             return (
                 f"a latent mini SD's image_size is a multiple of {LATENT_DOWNSCALE}, and it has no coordinate "
                 "channels or place embeddings (a stock StableDiffusionPipeline could not carry them)"

@@ -757,12 +757,13 @@ def train(
     progress: bool = True,
     stop_after: int | None = None,
     vae=None,
+    vae_record: dict | None = None,
 ) -> TrainResult:
     """Train a mini SD and save it (EMA weights) to `out` as a model folder.
 
     With settings.space "latents", `vae` (a diffusers AutoencoderKL, kept frozen) makes the latents,
     the encoder must encode as a stock pipeline does (encoders.for_stock_pipeline), and `out` is a
-    stock StableDiffusionPipeline folder.
+    stock StableDiffusionPipeline folder; `vae_record` (how the VAE was trained) goes into its record.
 
     With `checkpoint_dir`, the full state (weights, EMA, optimizer, step) is written there every
     `checkpoint_every` steps, and a run that finds a checkpoint of the same run resumes from it.
@@ -875,6 +876,8 @@ def train(
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=settings.precision.startswith("bf16"))
     # what every saved model's record says of the run (each adds its step, times and history)
     trained_on = {"settings": asdict(settings), "processes": accelerator.num_processes, "device": str(device)}
+    if vae_record is not None:
+        trained_on["vae"] = vae_record
 
     # Each step's losses stay on the device until they are read, every 25 steps (and before a
     # checkpoint): reading one (.item()) waits for the device, and on a GPU a wait per step would keep
@@ -1029,7 +1032,9 @@ def save_ema_model(
     )
     if vae is not None:
         vae = vae.to("cpu")
-    MiniSDPipeline(unet, scheduler_config(settings), spec, encoder if vae is not None else None, vae).save_pretrained(out)
+    MiniSDPipeline(unet, scheduler_config(settings), spec, encoder if vae is not None else None, vae).save_pretrained(
+        out
+    )
     if vae is not None:
         vae.to(ema.shadow_params[0].device)
 

@@ -186,10 +186,14 @@ def train_vae(
     settings.check()
     if settings.decoder_only and start_from is None:
         raise SdkitError("decoder_only fine-tunes a trained VAE's decoder: give the VAE to start from")
+    earlier_record = None
     if start_from is not None:
         from .pipeline import load_vae
 
         vae = load_vae(start_from).train()
+        record = Path(start_from) / "training.json"
+        if record.is_file():  # the VAE's whole making in one record: its own, then each fine-tuning
+            earlier_record = {k: v for k, v in json.loads(record.read_text()).items() if k != "history"}
         if vae.config.sample_size != settings.image_size:
             raise SdkitError(f"{start_from}: reads {vae.config.sample_size}-pixel images, not {settings.image_size}")
     else:
@@ -209,13 +213,18 @@ def train_vae(
     with tqdm(total=settings.steps, initial=start, desc="training VAE", unit="step", disable=not progress) as bar:
         for step in range(start, settings.steps):
             pixels = images_at(
-                settings.seed, step * settings.batch_size, settings.batch_size, settings.image_size,
+                settings.seed,
+                step * settings.batch_size,
+                settings.batch_size,
+                settings.image_size,
                 settings.pair_fraction,
             )
             generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + step)
             loss, l1 = vae_loss(vae, pixels, settings.kl_weight, generator)
-            if not math.isfinite(float(loss)):
-                raise SdkitError(f"VAE training diverged at step {step + 1}: the loss is {float(loss)} (try a lower lr)")
+            if not math.isfinite(float(loss.detach())):
+                raise SdkitError(
+                    f"VAE training diverged at step {step + 1}: the loss is {float(loss)} (try a lower lr)"
+                )
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(step, settings)
             optimizer.zero_grad()
@@ -226,7 +235,11 @@ def train_vae(
             done = step + 1
             if done % 25 == 0 or done == settings.steps:
                 history.append(
-                    {"step": done, "l1": sum(window) / len(window), "seconds": round(earlier + time.perf_counter() - began, 1)}
+                    {
+                        "step": done,
+                        "l1": sum(window) / len(window),
+                        "seconds": round(earlier + time.perf_counter() - began, 1),
+                    }
                 )
                 bar.set_postfix(l1=f"{history[-1]['l1']:.4f}")
                 window = []
@@ -249,6 +262,7 @@ def train_vae(
             {
                 "settings": asdict(settings),
                 "started_from": None if start_from is None else str(start_from),
+                "started_from_record": earlier_record,
                 "seconds": round(seconds, 1),
                 "history": history,
             },
@@ -274,6 +288,13 @@ def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
     return math.inf if mse == 0 else 10 * math.log10(4 / mse)
 
 
+def _judged(pixels: torch.Tensor, scenes) -> dict:
+    from .data import from_model
+    from .judge import accuracy, judge
+
+    return accuracy([judge(from_model(p), s) for p, s in zip(pixels, scenes)])
+
+
 @torch.no_grad()
 def judge_round_trips(vae, count: int = 64, batch_size: int = 32) -> dict:
     """The judge on VAE round trips of the evaluation sets' scenes (rendered with the generator's
@@ -282,7 +303,6 @@ def judge_round_trips(vae, count: int = 64, batch_size: int = 32) -> dict:
 
     from .data import render
     from .evaluate import prompt_set
-    from .judge import accuracy, judge
 
     side = vae.config.sample_size
     out = {}
@@ -293,10 +313,11 @@ def judge_round_trips(vae, count: int = 64, batch_size: int = 32) -> dict:
         )
         trips = torch.cat([round_trip(vae, originals[i : i + batch_size]) for i in range(0, count, batch_size)])
 
-        def judged(pixels):
-            return accuracy([judge(np.clip(p.numpy().transpose(1, 2, 0) / 2 + 0.5, 0, 1), s) for p, s in zip(pixels, scenes)])
-
-        out[name] = {"originals": judged(originals), "round_trips": judged(trips), "psnr_db": psnr(trips, originals)}
+        out[name] = {
+            "originals": _judged(originals, scenes),
+            "round_trips": _judged(trips, scenes),
+            "psnr_db": psnr(trips, originals),
+        }
     return out
 
 
@@ -313,10 +334,49 @@ def format_round_trips(result: dict) -> str:
         ]
         for name, judged in result["round_trips"].items()
     ]
-    lines = [format_table(["set", "originals judged all", "round trips judged all", "PSNR"], rows, f"VAE {result['vae']}")]
+    lines = [
+        format_table(["set", "originals judged all", "round trips judged all", "PSNR"], rows, f"VAE {result['vae']}")
+    ]
     if "seconds" in result:
         lines.append(
             f"trained {result['settings']['steps']} steps in {result['seconds']:.0f} s; "
             f"scaling factor {result['scaling_factor']:.5f}"
         )
+    if "installed_into" in result:
+        lines.append(f"put it into {result['installed_into']}")
     return "\n".join(lines)
+
+
+def total_training_seconds(record: dict | None) -> float | None:
+    """A VAE's training time, its fine-tunings' and the runs they started from added up."""
+    if not record:
+        return None
+    return record.get("seconds", 0.0) + (total_training_seconds(record.get("started_from_record")) or 0.0)
+
+
+def install_vae(model: str | os.PathLike, vae_folder: str | os.PathLike, record: dict | None = None) -> None:
+    """Put the VAE in `vae_folder` into the latent mini SD `model` in place of its own, as SD's users
+    swap in a fine-tuned decoder: refused unless its encoder (and scaling factor) is the model's, to
+    the bit, so that the latents the U-Net was trained on are unchanged. `record` (how the VAE was
+    trained) goes into the model's minisd.json."""
+    from .pipeline import MiniSDPipeline, load_vae
+
+    pipe = MiniSDPipeline.from_pretrained(model)
+    if pipe.spec.space != "latents":
+        raise SdkitError(f"{model}: a pixel mini SD has no VAE")
+    new = load_vae(vae_folder)
+    old_state, new_state = pipe.vae.state_dict(), new.state_dict()
+    kept = [k for k in old_state if k.startswith(("encoder.", "quant_conv."))]
+    if (
+        set(old_state) != set(new_state)
+        or any(not torch.equal(old_state[k], new_state[k]) for k in kept)
+        or new.config.scaling_factor != pipe.vae.config.scaling_factor
+    ):
+        raise SdkitError(
+            f"{vae_folder}: its encoder is not {model}'s (the latents its U-Net was trained on); only a "
+            "decoder fine-tuned from the model's own VAE (--decoder-only) can replace it"
+        )
+    pipe.vae = new.eval()
+    if record is not None:
+        pipe.spec.training["vae"] = record
+    pipe.save_pretrained(model)

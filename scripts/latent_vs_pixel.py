@@ -1,0 +1,96 @@
+"""The pixel mini SD and the latent one side by side, on trained models: judged images, training and
+sampling cost, the cross-attention's score tables and the U-Net's FLOPs per step.
+
+    python scripts/latent_vs_pixel.py --pixel weights/minisd --latent weights/minisd-latent \
+        --pixel-eval weights/minisd/findings/eval.json --latent-eval weights/minisd-latent/findings/eval.json
+
+Each eval JSON is what `sdkit minisd eval --json-out FILE` writes for that model (64 prompts per
+set, guidance 4, 25 DDIM steps: the same prompts and seeds for both). Writes
+weights/minisd/findings/latent_vs_pixel.json; `python scripts/maintain/tables.py --write` puts its
+table in docs/latent.md.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from sdkit.common import write_json  # noqa: E402
+from sdkit.compute import compute  # noqa: E402
+from sdkit.minisd.pipeline import LATENT_DOWNSCALE, MiniSDSpec  # noqa: E402
+
+SETS = ("singles", "pairs", "held_out_pairs")
+
+
+def cross_attention_levels(config: dict, side: int, tokens: int) -> list[dict]:
+    """Per grid the cross-attention runs at: its side, layers, and score-table entries per head and
+    layer (cells x text tokens)."""
+    count = len(config["block_out_channels"])
+    layers: dict[int, int] = {}
+    for depth, kind in enumerate(config["down_block_types"]):
+        if kind.startswith("CrossAttn"):
+            layers[depth] = layers.get(depth, 0) + config["layers_per_block"]
+    if config.get("mid_block_type", "UNetMidBlock2DCrossAttn") == "UNetMidBlock2DCrossAttn":
+        layers[count - 1] = layers.get(count - 1, 0) + 1
+    for index, kind in enumerate(config["up_block_types"]):
+        if kind.startswith("CrossAttn"):
+            depth = count - 1 - index
+            layers[depth] = layers.get(depth, 0) + config["layers_per_block"] + 1
+    return [
+        {"grid": side >> depth, "layers": layers[depth], "entries": (side >> depth) ** 2 * tokens}
+        for depth in sorted(layers)
+    ]
+
+
+def row(folder: Path, eval_path: Path) -> dict:
+    spec = MiniSDSpec.read(folder)
+    config = json.loads((folder / "unet" / "config.json").read_text())
+    evaluation = json.loads(eval_path.read_text())
+    training = spec.training
+    settings = training["settings"]
+    grid = config["sample_size"]
+    flops = compute(str(folder / "unet"), height=spec.image_size, cfg=True, text_tokens=spec.max_length)
+    out = {
+        "model": str(folder),
+        "space": spec.space,
+        "image_size": spec.image_size,
+        "grid": f"{grid}x{grid}x{config['in_channels']}",
+        "judged": {
+            name: {
+                "all": evaluation["results"]["model"][name]["all"],
+                "interval": evaluation["intervals"][name]["all"],
+            }
+            for name in SETS
+        },
+        "judged_count": evaluation["counts"]["pairs"],
+        "training_steps": settings["steps"],
+        "training_batch": settings["batch_size"],
+        "training_seconds": training["total_seconds"],
+        "training_samples_per_second": training["samples_per_second"],
+        "vae_training_seconds": (training.get("vae") or {}).get("seconds"),
+        "sampling_seconds_per_image": evaluation["seconds_per_image"]["model"],
+        "cross_attention": cross_attention_levels(config, grid, spec.max_length),
+        "unet_flops_per_step": flops.total,
+    }
+    assert spec.space == "pixels" or spec.image_size // LATENT_DOWNSCALE == grid
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pixel", default="weights/minisd")
+    parser.add_argument("--latent", default="weights/minisd-latent")
+    parser.add_argument("--pixel-eval", required=True)
+    parser.add_argument("--latent-eval", required=True)
+    parser.add_argument("--out", default="weights/minisd/findings/latent_vs_pixel.json")
+    args = parser.parse_args()
+    rows = [row(Path(args.pixel), Path(args.pixel_eval)), row(Path(args.latent), Path(args.latent_eval))]
+    write_json(args.out, {"rows": rows, "note": "U-Net FLOPs of one sampling step with guidance (two passes)"})
+    print(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
