@@ -21,6 +21,7 @@ sys.path.insert(0, str(ROOT))
 from sdkit.common import write_json  # noqa: E402
 from sdkit.compute import compute  # noqa: E402
 from sdkit.minisd.pipeline import LATENT_DOWNSCALE, MiniSDSpec  # noqa: E402
+from sdkit.minisd.vae import total_training_seconds  # noqa: E402
 
 SETS = ("singles", "pairs", "held_out_pairs")
 
@@ -66,11 +67,12 @@ def row(folder: Path, eval_path: Path) -> dict:
             for name in SETS
         },
         "judged_count": evaluation["counts"]["pairs"],
+        "pairs_left_right_if_bound": evaluation["results"]["model"]["pairs"]["position_if_bound"],
         "training_steps": settings["steps"],
         "training_batch": settings["batch_size"],
         "training_seconds": training["total_seconds"],
         "training_samples_per_second": training["samples_per_second"],
-        "vae_training_seconds": (training.get("vae") or {}).get("seconds"),
+        "vae_training_seconds": total_training_seconds(training.get("vae")),
         "sampling_seconds_per_image": evaluation["seconds_per_image"]["model"],
         "cross_attention": cross_attention_levels(config, grid, spec.max_length),
         "unet_flops_per_step": flops.total,
@@ -85,11 +87,21 @@ def main() -> None:
     parser.add_argument("--latent", default="weights/minisd-latent")
     parser.add_argument("--pixel-eval", required=True)
     parser.add_argument("--latent-eval", required=True)
+    parser.add_argument(
+        "--run",
+        nargs=3,
+        action="append",
+        default=[],
+        metavar=("NAME", "MODEL", "EVAL"),
+        help="a latent training run for the ablation rows: its name, model folder and eval JSON",
+    )
     parser.add_argument("--out", default="weights/minisd/findings/latent_vs_pixel.json")
     args = parser.parse_args()
     rows = [row(Path(args.pixel), Path(args.pixel_eval)), row(Path(args.latent), Path(args.latent_eval))]
-    write_json(args.out, {"rows": rows, "note": "U-Net FLOPs of one sampling step with guidance (two passes)"})
-    print(json.dumps(rows, indent=1))
+    runs = [{"name": name, **row(Path(model), Path(evaluation))} for name, model, evaluation in args.run]
+    note = "U-Net FLOPs of one sampling step with guidance (two passes)"
+    write_json(args.out, {"rows": rows, "runs": runs, "note": note})
+    print(json.dumps({"rows": rows, "runs": runs}, indent=1))
 
 
 if __name__ == "__main__":

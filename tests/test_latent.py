@@ -153,10 +153,19 @@ def test_a_latent_spec_with_a_pixel_unet_is_refused(latent_minisd, micro_minisd)
         spec.check_unet(load_unet(micro_minisd[0]))
 
 
-def test_cli_trains_a_latent_model_and_judges_a_vae(cli, bert, micro_vae, tmp_path):
+def test_cli_trains_and_judges_a_vae(cli, micro_vae, tmp_path):
     code, out, err = cli("minisd", "vae", "--judge", micro_vae[0], "--count", "2", "--json")
     assert code == 0, err
-    assert set(json.loads(out)["round_trips"]) == {"singles", "pairs"}
+    judged = json.loads(out)
+    assert set(judged["round_trips"]) == {"singles", "pairs"} and judged["training_seconds"] > 0
+    out_dir = tmp_path / "vae"
+    code, out, err = cli(
+        "minisd", "vae", "--out", out_dir, "--steps", "1", "--batch-size", "2", "--count", "2", "--json"
+    )
+    assert code == 0, err
+    trained = json.loads(out)
+    assert trained["settings"]["steps"] == 1 and trained["scaling_factor"] > 0
+    assert json.loads((out_dir / "config.json").read_text())["scaling_factor"] == trained["scaling_factor"]
     code, out, err = cli("minisd", "vae", "--judge", micro_vae[0], "--steps", "3")
     assert code == 2 and "--steps does not apply with --judge" in err
 
@@ -206,3 +215,31 @@ def test_the_shipped_latent_model_is_a_stable_diffusion_whose_image_the_judge_pa
     ).images[0]
     assert image.size == (128, 128)
     assert judge(np.asarray(image, dtype=np.float32) / 255, parse_caption(prompt)).all
+
+
+def test_the_minisd_commands_take_a_latent_model(cli, latent_minisd, tmp_path):
+    """Sampling with overlays and steering, editing and judging: the pixel model's commands, on a
+    latent model (its images decoded by its VAE)."""
+    prompt = "a red circle to the left of a blue square"
+    code, _, err = cli(
+        "minisd", "sample", prompt, "--model", latent_minisd, "--seeds", "1", "--steps", "2",
+        "--out", tmp_path / "s.png", "--overlays", tmp_path / "maps",
+    )  # fmt: skip
+    assert code == 0, err
+    assert (tmp_path / "s.png").is_file() and any((tmp_path / "maps").glob("*.png"))
+    code, _, err = cli(
+        "minisd", "sample", prompt, "--model", latent_minisd, "--seeds", "1", "--steps", "2",
+        "--out", tmp_path / "g.png", "--guide", "layout", "--guide-steps", "1", "--guide-resolution", "2",
+    )  # fmt: skip
+    assert code == 0, err
+    code, _, err = cli(
+        "minisd", "edit", prompt, "--to", "a green circle to the left of a blue square", "--model", latent_minisd,
+        "--seeds", "1", "--steps", "2", "--out", tmp_path / "e.png",
+    )  # fmt: skip
+    assert code == 0, err
+    code, out, err = cli(
+        "minisd", "eval", "--model", latent_minisd, "--count", "2", "--steps", "2", "--sets", "pairs", "--json"
+    )
+    assert code == 0, err
+    results = json.loads(out)["results"]
+    assert results["judge, VAE round trips"]["pairs"]["all"] >= 0 and "untrained" in results

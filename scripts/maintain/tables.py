@@ -626,7 +626,28 @@ def latent_vs_pixel_table() -> str:
     return markdown(["", "pixel mini SD", "latent mini SD"], rows)
 
 
+def latent_runs_table() -> str:
+    """The latent U-Net's training runs (none with place embeddings: a stock pipeline has none)."""
+    rows = []
+    for run in load("latent_vs_pixel")["runs"]:
+        judged = run["judged"]
+        rows.append(
+            [
+                run["name"],
+                f"{run['training_steps']:,}",
+                f"{run['training_seconds'] / 60:.0f} min",
+                pct(judged["singles"]["all"]),
+                f"**{pct(judged['pairs']['all'])}** {interval(judged['pairs']['interval'])}",
+                pct(judged["held_out_pairs"]["all"]),
+                pct(run["pairs_left_right_if_bound"]),
+            ]
+        )
+    headers = ["run", "steps", "trained in", "singles all", "pairs all [95 % CI]", "held-out pairs all"]
+    return markdown([*headers, "pairs left/right if bound"], rows)
+
+
 TABLES = {
+    "latent-runs": latent_runs_table,
     "latent-vae": latent_vae_table,
     "latent-vs-pixel": latent_vs_pixel_table,
     "timings": timings_table,

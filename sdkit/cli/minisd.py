@@ -159,11 +159,10 @@ def vae_training_record(folder: str) -> dict | None:
 
 
 def cmd_minisd_vae(args) -> None:
+    from ..minisd.pipeline import load_vae
     from ..minisd.vae import VAESettings, format_round_trips, judge_round_trips, train_vae
 
     if args.judge:
-        from ..minisd.pipeline import load_vae
-
         refuse_options(
             args,
             ("out", "steps", "batch_size", "lr", "seed", "checkpoints", "start_from", "decoder_only"),
