@@ -604,7 +604,8 @@ def latent_vs_pixel_table() -> str:
 
     def cross(row):
         return ", ".join(
-            f"{c['grid']}x{c['grid']}: {c['entries']:,} ({c['layers']} layers)" for c in row["cross_attention"]
+            f"{c['grid']}x{c['grid']}: {c['entries']:,} ({c['layers']} layer{'s' if c['layers'] > 1 else ''})"
+            for c in row["cross_attention"]
         )
 
     measures = [

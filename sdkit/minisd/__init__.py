@@ -42,4 +42,7 @@ generated images can be scored.
   sdkit minisd sample "a red circle at the top left" --seeds 8 --out grid.png
   sdkit minisd eval --panel panel.png     judge generated images, against floors
 
+weights/minisd-latent is the same on a VAE's 16x16x4 latents, as a stock diffusers
+StableDiffusionPipeline folder (it draws single objects, not yet pairs: docs/latent.md).
+
 {chr(10).join(state)}"""
