@@ -83,6 +83,10 @@ def test_vae_resumes_from_its_checkpoint_to_the_same_weights(tmp_path):
     assert all(torch.equal(whole[k], again[k]) for k in whole)
     with pytest.raises(SdkitError, match="already exists"):
         train_vae(tmp_path / "whole", settings, config=MICRO_VAE, progress=False)
+    # another run's checkpoint (another lr) is refused, never resumed into this run
+    other = VAESettings(**{**settings.__dict__, "lr": 5e-4})
+    with pytest.raises(SdkitError, match="belongs to another VAE run"):
+        train_vae(tmp_path / "other", other, tmp_path / "ck", progress=False, config=MICRO_VAE)
 
 
 def test_round_trips_are_judged_against_the_originals(micro_vae):

@@ -1048,20 +1048,37 @@ def save_checkpoint(
     tensors = {f"model.{k}": v.detach().cpu().contiguous() for k, v in unet.state_dict().items()}
     # The EMA keeps one flat tensor (see flat_parameters); the file has it per parameter, by name.
     tensors.update({f"ema.{n}": part.cpu() for n, part in zip(names, ema.shadow_params[0].detach().split(sizes))})
-    opt = optimizer.state_dict()
-    for index, state in opt["state"].items():
-        for name, value in state.items():
-            tensors[f"optimizer.{index}.{name}"] = torch.as_tensor(value).detach().cpu().contiguous()
+    tensors.update(optimizer_tensors(optimizer))
     metadata = {
         "step": str(step),
         "ema_step": str(ema.optimization_step),
         "fingerprint": fingerprint,
         "history": json.dumps(history),
-        "param_groups": json.dumps(opt["param_groups"]),
+        "param_groups": json.dumps(optimizer.state_dict()["param_groups"]),
         "seconds": repr(seconds),
     }
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata=metadata)
+
+
+def optimizer_tensors(optimizer) -> dict[str, torch.Tensor]:
+    """The optimizer's per-parameter state as named tensors for a safetensors checkpoint (its
+    param_groups go into the file's metadata)."""
+    return {
+        f"optimizer.{index}.{name}": torch.as_tensor(value).detach().cpu().contiguous()
+        for index, state in optimizer.state_dict()["state"].items()
+        for name, value in state.items()
+    }
+
+
+def load_optimizer(optimizer, tensors: dict, metadata: dict) -> None:
+    """Restore what optimizer_tensors and the metadata's param_groups saved."""
+    state: dict = {}
+    for k, v in tensors.items():
+        if k.startswith("optimizer."):
+            _, index, name = k.split(".", 2)
+            state.setdefault(int(index), {})[name] = v
+    optimizer.load_state_dict({"state": state, "param_groups": json.loads(metadata["param_groups"])})
 
 
 def load_checkpoint(path: Path, unet, ema, optimizer, fingerprint: str) -> tuple[int, list[dict], float]:
@@ -1087,12 +1104,7 @@ def load_checkpoint(path: Path, unet, ema, optimizer, fingerprint: str) -> tuple
     names = [n for n, _ in unet.named_parameters()]
     ema.shadow_params = [torch.cat([tensors[f"ema.{n}"].reshape(-1) for n in names])]
     ema.optimization_step = int(metadata["ema_step"])
-    state: dict = {}
-    for k, v in tensors.items():
-        if k.startswith("optimizer."):
-            _, index, name = k.split(".", 2)
-            state.setdefault(int(index), {})[name] = v
-    optimizer.load_state_dict({"state": state, "param_groups": json.loads(metadata["param_groups"])})
+    load_optimizer(optimizer, tensors, metadata)
     history = json.loads(metadata["history"])
     # checkpoints written before they kept their seconds: their process's time at its last record
     seconds = float(metadata.get("seconds", history[-1]["seconds"] if history else 0.0))

@@ -133,38 +133,54 @@ def measure_scaling_factor(vae, count: int = 512, seed: int = 10_000, batch_size
     return 1.0 / float(torch.cat(drawn).std())
 
 
-def _save_checkpoint(path: Path, vae, optimizer, step: int, history: list, seconds: float) -> None:
+def _fingerprint(settings: VAESettings, vae) -> str:
+    """The settings and the starting weights: a checkpoint of another run is refused, not resumed."""
+    import hashlib
+
+    digest = hashlib.sha256(json.dumps(asdict(settings), sort_keys=True).encode())
+    for name, tensor in sorted(vae.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _save_checkpoint(path: Path, vae, optimizer, step: int, history: list, seconds: float, fingerprint: str) -> None:
     from safetensors.torch import save_file
 
+    from .train import optimizer_tensors
+
     tensors = {f"model.{k}": v.detach().contiguous() for k, v in vae.state_dict().items()}
-    state = optimizer.state_dict()
-    for index, values in state["state"].items():
-        for name, value in values.items():
-            tensors[f"optimizer.{index}.{name}"] = torch.as_tensor(value).detach().contiguous()
+    tensors.update(optimizer_tensors(optimizer))
     metadata = {
         "step": str(step),
         "history": json.dumps(history),
         "seconds": repr(seconds),
-        "param_groups": json.dumps(state["param_groups"]),
+        "param_groups": json.dumps(optimizer.state_dict()["param_groups"]),
+        "fingerprint": fingerprint,
     }
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata=metadata)
 
 
-def _load_checkpoint(path: Path, vae, optimizer) -> tuple[int, list, float]:
-    from safetensors import safe_open
+def _load_checkpoint(path: Path, vae, optimizer, fingerprint: str) -> tuple[int, list, float]:
+    from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
 
-    with safe_open(str(path), framework="pt") as f:
-        metadata = f.metadata()
-    tensors = load_file(str(path))
+    from .train import load_optimizer
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError) as e:
+        raise SdkitError(f"{path}: cannot resume from this checkpoint ({e}); delete it to start over") from None
+    if metadata.get("fingerprint") != fingerprint:
+        raise SdkitError(
+            f"{path}: this checkpoint belongs to another VAE run (other settings or starting weights); "
+            "delete it or choose another checkpoint folder"
+        )
     vae.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
-    state: dict = {}
-    for k, v in tensors.items():
-        if k.startswith("optimizer."):
-            _, index, name = k.split(".", 2)
-            state.setdefault(int(index), {})[name] = v
-    optimizer.load_state_dict({"state": state, "param_groups": json.loads(metadata["param_groups"])})
+    load_optimizer(optimizer, tensors, metadata)
     return int(metadata["step"]), json.loads(metadata["history"]), float(metadata["seconds"])
 
 
@@ -206,8 +222,9 @@ def train_vae(
     optimizer = torch.optim.AdamW(trained, lr=settings.lr, weight_decay=0.0)
     checkpoint = Path(checkpoint_dir) / CHECKPOINT if checkpoint_dir else None
     start, history, earlier = 0, [], 0.0
+    fingerprint = _fingerprint(settings, vae)
     if checkpoint and checkpoint.is_file():
-        start, history, earlier = _load_checkpoint(checkpoint, vae, optimizer)
+        start, history, earlier = _load_checkpoint(checkpoint, vae, optimizer, fingerprint)
     began = time.perf_counter()
     window = []
     with tqdm(total=settings.steps, initial=start, desc="training VAE", unit="step", disable=not progress) as bar:
@@ -244,7 +261,9 @@ def train_vae(
                 bar.set_postfix(l1=f"{history[-1]['l1']:.4f}")
                 window = []
             if checkpoint and (done % checkpoint_every == 0) and done < settings.steps:
-                _save_checkpoint(checkpoint, vae, optimizer, done, history, earlier + time.perf_counter() - began)
+                _save_checkpoint(
+                    checkpoint, vae, optimizer, done, history, earlier + time.perf_counter() - began, fingerprint
+                )
             bar.update(1)
     seconds = earlier + time.perf_counter() - began
     vae.eval()
