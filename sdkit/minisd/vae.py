@@ -137,11 +137,9 @@ def _fingerprint(settings: VAESettings, vae) -> str:
     """The settings and the starting weights: a checkpoint of another run is refused, not resumed."""
     import hashlib
 
-    digest = hashlib.sha256(json.dumps(asdict(settings), sort_keys=True).encode())
-    for name, tensor in sorted(vae.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
+    from .train import vae_fingerprint
+
+    return hashlib.sha256(json.dumps([asdict(settings), vae_fingerprint(vae)], sort_keys=True).encode()).hexdigest()
 
 
 def _save_checkpoint(path: Path, vae, optimizer, step: int, history: list, seconds: float, fingerprint: str) -> None:
