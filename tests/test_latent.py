@@ -77,7 +77,7 @@ def test_vae_resumes_from_its_checkpoint_to_the_same_weights(tmp_path):
     # a run that checkpoints at step 2 (and finishes); a second run on its checkpoint resumes there
     train_vae(tmp_path / "first", settings, tmp_path / "ck", checkpoint_every=2, progress=False, config=MICRO_VAE)
     resumed = train_vae(tmp_path / "resumed", settings, tmp_path / "ck", progress=False, config=MICRO_VAE)
-    assert resumed.history[0]["step"] == 4 or len(resumed.history) == 1
+    assert [h["step"] for h in resumed.history] == [4]  # its one log line, at the end
     name = "diffusion_pytorch_model.safetensors"
     whole, again = load_file(tmp_path / "whole" / name), load_file(tmp_path / "resumed" / name)
     assert all(torch.equal(whole[k], again[k]) for k in whole)
@@ -195,8 +195,7 @@ def test_a_fine_tuned_decoder_goes_in_and_another_vae_is_refused(latent_minisd, 
     assert all(torch.equal(decoder[k], after[k]) for k in after)
     assert MiniSDSpec.read(model).training["vae"]["settings"]["decoder_only"] is True
     # a VAE trained apart has another encoder: the U-Net's latents would mean nothing to it
-    other = train_vae(tmp_path / "other", VAESettings(steps=1, batch_size=2, image_size=32, seed=1), config=MICRO_VAE)
-    assert other.seconds > 0
+    train_vae(tmp_path / "other", VAESettings(steps=1, batch_size=2, image_size=32, seed=1), config=MICRO_VAE)
     with pytest.raises(SdkitError, match="its encoder is not"):
         install_vae(model, tmp_path / "other")
 
