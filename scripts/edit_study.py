@@ -1,6 +1,7 @@
 """Prompt-to-Prompt judged on the mini SD's answer key: edited, kept and both, per edit set, at
-several cross_replace fractions (0 is plain same-seed regeneration of the edited prompt), and a
-reweighting dose-response on the colour word.
+several cross_replace fractions (0 is plain same-seed regeneration of the edited prompt), with the
+source's self-attention or local blending too, and a reweighting dose-response on the colour word
+under the chosen setting.
 
     python scripts/edit_study.py                 # writes weights/minisd/findings/editing.json and editing.png
     python scripts/edit_study.py --count 8 --out out/editing.json   # a quick look, elsewhere
@@ -18,6 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 FRACTIONS = (0.0, 0.4, 0.8, 1.0)  # 0: the edited prompt regenerated, no injection
 SELF = ((0.8, 0.2), (0.8, 0.4))  # (cross_replace, self_replace): P2P with the source's self-attention too
+BLEND = (0.4, 0.8, 1.0)  # cross_replace fractions of P2P with local blending on the words the edit changed
 FACTORS = (0.0, 0.5, 1.0, 2.0, 3.0)
 TUNING_SEED, REPORT_SEED = 999, 1234
 
@@ -45,53 +47,62 @@ def main() -> int:
     data.setdefault("tuning", [])
     data.setdefault("rows", [])
     data.setdefault("reweight", [])
+    for row in data["tuning"] + data["rows"]:  # rows from before local blending had none
+        row.setdefault("local_blend", False)
+    for row in data["reweight"]:
+        row.setdefault("setting", [data["chosen_cross_replace"], data["chosen_self_replace"], False])
 
     def done(rows, **key):
         return any(all(r.get(k) == v for k, v in key.items()) for r in rows)
 
-    def run(rows, kind, fraction, seed, label, self_fraction=0.0):
-        if done(rows, edit=kind, cross_replace=fraction, self_replace=self_fraction, seed=seed):
+    def run(rows, kind, fraction, seed, label, self_fraction=0.0, blend=False):
+        if done(rows, edit=kind, cross_replace=fraction, self_replace=self_fraction, local_blend=blend, seed=seed):
             return
-        settings = EditSettings(cross_replace=fraction, self_replace=self_fraction)
+        settings = EditSettings(cross_replace=fraction, self_replace=self_fraction, local_blend=blend)
         row = study_row(pipe, kind, settings, args.count, args.steps, 4.0, seed, label)
         rows.append(row)
         write_json(out, data)
         print(
-            f"{label:>8} {kind:>14} cross {fraction:.1f} self {self_fraction:.1f}: edited {row['edited']:.3f} kept {row['kept']:.3f} "
-            f"both {row['both']:.3f} ({row['seconds']:.0f} s)",
+            f"{label:>8} {kind:>14} cross {fraction:.1f} self {self_fraction:.1f} blend {blend:d}: edited "
+            f"{row['edited']:.3f} kept {row['kept']:.3f} both {row['both']:.3f} ({row['seconds']:.0f} s)",
             flush=True,
         )
 
-    # The fraction is chosen on the tuning captions' colour swaps (both sets), never on the reported ones.
-    settings = [(f, 0.0) for f in FRACTIONS[1:]] + list(SELF)
+    # The setting is chosen on the tuning captions' colour swaps (both sets), never on the reported ones.
+    settings = [(f, 0.0, False) for f in FRACTIONS[1:]] + [(c, s, False) for c, s in SELF]
+    settings += [(f, 0.0, True) for f in BLEND]
     for kind in ("colour_single", "colour_pair"):
-        for fraction, self_fraction in settings:
-            run(data["tuning"], kind, fraction, TUNING_SEED, "tuning", self_fraction)
+        for fraction, self_fraction, blend in settings:
+            run(data["tuning"], kind, fraction, TUNING_SEED, "tuning", self_fraction, blend)
 
     def tuned(setting):
-        both = [r["both"] for r in data["tuning"] if (r["cross_replace"], r["self_replace"]) == setting]
+        key = ("cross_replace", "self_replace", "local_blend")
+        both = [r["both"] for r in data["tuning"] if tuple(r[k] for k in key) == setting]
         return sum(both) / len(both)
 
-    data["chosen_cross_replace"], data["chosen_self_replace"] = max(settings, key=tuned)
+    chosen = max(settings, key=tuned)
+    data["chosen_cross_replace"], data["chosen_self_replace"], data["chosen_local_blend"] = chosen
     write_json(out, data)
     for kind in EDITS:
-        for fraction, self_fraction in [(0.0, 0.0), *settings]:
-            run(data["rows"], kind, fraction, REPORT_SEED, "report", self_fraction)
+        for fraction, self_fraction, blend in [(0.0, 0.0, False), *settings]:
+            run(data["rows"], kind, fraction, REPORT_SEED, "report", self_fraction, blend)
 
     # Reweighting: the source prompt against itself, its colour word scaled; how often the colour shows
     scenes = [s for s, _ in edit_set("colour_single", args.count, seed=REPORT_SEED)]
     for factor in FACTORS:
-        if done(data["reweight"], factor=factor):
+        if done(data["reweight"], factor=factor, setting=list(chosen)):
             continue
         shown = []
         for colour in sorted({s.objects[0].colour for s in scenes}):
             group = [s for s in scenes if s.objects[0].colour == colour]
             prompts = [s.caption for s in group]
-            chosen = EditSettings(data["chosen_cross_replace"], data["chosen_self_replace"], reweight={colour: factor})
+            reweighted = EditSettings(*chosen[:2], reweight={colour: factor}, local_blend=chosen[2])
             seeds = [scenes.index(s) for s in group]
-            _, images = edit_images(pipe, prompts, prompts, chosen, seeds, args.steps, 4.0)
+            _, images = edit_images(pipe, prompts, prompts, reweighted, seeds, args.steps, 4.0)
             shown += [bool(judge(image, scene).colour) for image, scene in zip(images, group)]
-        data["reweight"].append({"factor": factor, "colour_shown": sum(shown) / len(shown), "count": len(shown)})
+        data["reweight"].append(
+            {"factor": factor, "setting": list(chosen), "colour_shown": sum(shown) / len(shown), "count": len(shown)}
+        )
         write_json(out, data)
         print(f"reweight x{factor:g}: colour shown {sum(shown) / len(shown):.3f}", flush=True)
     return 0

@@ -1,5 +1,6 @@
 """The pixel mini SD and the latent one side by side, on trained models: judged images, training and
-sampling cost, the cross-attention's score tables and the U-Net's FLOPs per step.
+sampling cost, the cross-attention's score tables, the U-Net's FLOPs per step and its word maps
+against the generator's masks per grid.
 
     python scripts/latent_vs_pixel.py --pixel weights/minisd --latent weights/minisd-latent \
         --pixel-eval weights/minisd/findings/eval.json --latent-eval weights/minisd-latent/findings/eval.json
@@ -20,33 +21,36 @@ sys.path.insert(0, str(ROOT))
 
 from sdkit.common import write_json  # noqa: E402
 from sdkit.compute import compute  # noqa: E402
-from sdkit.minisd.pipeline import LATENT_DOWNSCALE, MiniSDSpec  # noqa: E402
+from sdkit.localization import generator_set, localize  # noqa: E402
+from sdkit.minisd.pipeline import LATENT_DOWNSCALE, MiniSDPipeline, MiniSDSpec  # noqa: E402
 from sdkit.minisd.vae import total_training_seconds  # noqa: E402
+from sdkit.scoretable import score_tables  # noqa: E402
 
 SETS = ("singles", "pairs", "held_out_pairs")
 
 
-def cross_attention_levels(config: dict, side: int, tokens: int) -> list[dict]:
-    """Per grid the cross-attention runs at: its side, layers, and score-table entries per head and
-    layer (cells x text tokens)."""
-    count = len(config["block_out_channels"])
-    layers: dict[int, int] = {}
-    for depth, kind in enumerate(config["down_block_types"]):
-        if kind.startswith("CrossAttn"):
-            layers[depth] = layers.get(depth, 0) + config["layers_per_block"]
-    if config.get("mid_block_type", "UNetMidBlock2DCrossAttn") == "UNetMidBlock2DCrossAttn":
-        layers[count - 1] = layers.get(count - 1, 0) + 1
-    for index, kind in enumerate(config["up_block_types"]):
-        if kind.startswith("CrossAttn"):
-            depth = count - 1 - index
-            layers[depth] = layers.get(depth, 0) + config["layers_per_block"] + 1
-    return [
-        {"grid": side >> depth, "layers": layers[depth], "entries": (side >> depth) ** 2 * tokens}
-        for depth in sorted(layers)
-    ]
+def maps_by_grid(folder: Path, count: int) -> list[dict]:
+    """Word maps against the generator's masks (AUC), per grid the cross-attention runs at: the mean
+    over the localization's timesteps, beside the centre prior's (`sdkit condition --masks`)."""
+    pipe = MiniSDPipeline.from_pretrained(folder)
+    images, scenes, masks = generator_set(count, pipe.spec.image_size)
+    report = localize(pipe, images, scenes, masks, model_name=str(folder))
+    out = []
+    for grid in sorted({r["resolution"] for r in report.rows if r["resolution"] != "all layers"}, reverse=True):
+        rows = [r for r in report.rows if r["resolution"] == grid and r["word"]]
+        out.append(
+            {
+                "grid": grid,
+                **{
+                    name.replace(" ", "_") + "_auc": sum(r[name]["auc"] for r in rows) / len(rows)
+                    for name in ("word", "centre prior")
+                },
+            }
+        )
+    return out
 
 
-def row(folder: Path, eval_path: Path) -> dict:
+def row(folder: Path, eval_path: Path, maps_count: int) -> dict:
     spec = MiniSDSpec.read(folder)
     config = json.loads((folder / "unet" / "config.json").read_text())
     evaluation = json.loads(eval_path.read_text())
@@ -74,7 +78,12 @@ def row(folder: Path, eval_path: Path) -> dict:
         "training_samples_per_second": training["samples_per_second"],
         "vae_training_seconds": total_training_seconds(training.get("vae")),
         "sampling_seconds_per_image": evaluation["seconds_per_image"]["model"],
-        "cross_attention": cross_attention_levels(config, grid, spec.max_length),
+        "cross_attention": [
+            {"grid": level.grid[0], "layers": level.layers, "entries": level.entries_per_head}
+            for level in score_tables(model=str(folder), text_tokens=spec.max_length).cross
+            if not level.name.startswith("pixel")
+        ],
+        "maps": maps_by_grid(folder, maps_count),
         "unet_flops_per_step": flops.total,
     }
     assert spec.space == "pixels" or spec.image_size // LATENT_DOWNSCALE == grid
@@ -95,10 +104,16 @@ def main() -> None:
         metavar=("NAME", "MODEL", "EVAL"),
         help="a latent training run for the ablation rows: its name, model folder and eval JSON",
     )
+    parser.add_argument("--maps-count", type=int, default=64, help="generator images the maps are scored on")
     parser.add_argument("--out", default="weights/minisd/findings/latent_vs_pixel.json")
     args = parser.parse_args()
-    rows = [row(Path(args.pixel), Path(args.pixel_eval)), row(Path(args.latent), Path(args.latent_eval))]
-    runs = [{"name": name, **row(Path(model), Path(evaluation))} for name, model, evaluation in args.run]
+    rows = [
+        row(Path(args.pixel), Path(args.pixel_eval), args.maps_count),
+        row(Path(args.latent), Path(args.latent_eval), args.maps_count),
+    ]
+    runs = [
+        {"name": name, **row(Path(model), Path(evaluation), args.maps_count)} for name, model, evaluation in args.run
+    ]
     note = "U-Net FLOPs of one sampling step with guidance (two passes)"
     write_json(args.out, {"rows": rows, "runs": runs, "note": note})
     print(json.dumps({"rows": rows, "runs": runs}, indent=1))

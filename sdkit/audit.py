@@ -248,12 +248,29 @@ def audit(spec, allow_pickle: bool = False, context_dim: int | None = None, imag
     return audit_index(index_checkpoint(spec, allow_pickle), context_dim, image_size)
 
 
-def audit_module(unet, source: str = "module", context_dim: int | None = None) -> Audit:
-    """Audit a U-Net module (torch.nn.Module) as it is."""
+def audit_module(model, source: str = "module", context_dim: int | None = None) -> Audit:
+    """Audit a U-Net module (torch.nn.Module) as it is, or a diffusers pipeline (such as a
+    StableDiffusionPipeline): its U-Net by role, and each of its modules (VAE, text encoder, ...)
+    counted in the components table."""
+    import torch
+
     from .tensors import module_index
 
+    if isinstance(getattr(model, "components", None), dict) and hasattr(model, "unet"):
+        components = {
+            name: module_index(part)
+            for name, part in model.components.items()
+            if isinstance(part, torch.nn.Module) and name != "unet"
+        }
+        unet = model.unet
+    else:
+        components, unet = {}, model
     index = CheckpointIndex(
-        source, "module", "diffusers", {"unet": module_index(unet)}, config=dict(getattr(unet, "config", {}))
+        source,
+        "module",
+        "diffusers",
+        {"unet": module_index(unet), **components},
+        config=dict(getattr(unet, "config", {})),
     )
     return audit_index(index, context_dim)
 

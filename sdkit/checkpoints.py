@@ -311,14 +311,44 @@ def unet_folder(path: Path) -> Path:
     raise SdkitError(f"{path}: not a diffusers U-Net folder (no config.json here or in unet/)")
 
 
-def _index_folder(path: Path, allow_pickle: bool) -> CheckpointIndex:
-    unet_dir = unet_folder(path)
-    files = sorted(unet_dir.glob("diffusion_pytorch_model*.safetensors"))
+def _weights_files(folder: Path, stem: str = "") -> list[Path]:
+    """A component folder's safetensors files (shards included), without the variants diffusers saves
+    beside them (model.fp16.safetensors), which hold the same tensors again."""
+    files = sorted(folder.glob(f"{stem}*.safetensors"))
+    plain = [f for f in files if "." not in f.stem]
+    return plain or files
+
+
+def _read_headers(files: list[Path]) -> tuple[dict[str, TensorInfo], int]:
     tensors, bytes_read = {}, 0
     for f in files:
         part, n = read_safetensors_header(f)
         tensors.update(part)
         bytes_read += n
+    return tensors, bytes_read
+
+
+def _pipeline_components(path: Path) -> tuple[dict[str, dict[str, TensorInfo]], int]:
+    """A pipeline folder's parts besides the U-Net (vae, text_encoder, ...), each from its
+    safetensors headers (the folders model_index.json names, or every sibling folder with weights),
+    and the bytes read."""
+    try:
+        names = [k for k, v in json.loads((path / "model_index.json").read_text()).items() if isinstance(v, list)]
+    except (OSError, ValueError, AttributeError):
+        names = sorted(p.name for p in path.iterdir() if p.is_dir())
+    components, bytes_read = {}, 0
+    for name in names:
+        files = _weights_files(path / name) if name != "unet" and (path / name).is_dir() else []
+        if files:
+            components[name], n = _read_headers(files)
+            bytes_read += n
+    return components, bytes_read
+
+
+def _index_folder(path: Path, allow_pickle: bool) -> CheckpointIndex:
+    unet_dir = unet_folder(path)
+    files = _weights_files(unet_dir, "diffusion_pytorch_model")
+    tensors, bytes_read = _read_headers(files)
     if not files:
         pickles = sorted(unet_dir.glob("diffusion_pytorch_model*.bin"))
         if not pickles:
@@ -327,6 +357,11 @@ def _index_folder(path: Path, allow_pickle: bool) -> CheckpointIndex:
             tensors.update(_pickle_index(f, allow_pickle))
         bytes_read = None  # the whole pickle was read, not a header
     index = index_tensors(str(path), "folder", tensors, bytes_read)
+    if unet_dir != path:  # a pipeline folder: its VAE and text encoder are counted beside the U-Net
+        others, n = _pipeline_components(path)
+        index.components.update(others)
+        if index.bytes_read is not None:
+            index.bytes_read += n
     try:
         index.config = json.loads((unet_dir / "config.json").read_text())
     except (OSError, ValueError) as e:

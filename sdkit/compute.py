@@ -69,6 +69,27 @@ def meta_unet(model: str):
     return build_unet(index.config, weights="meta")
 
 
+def default_text_tokens(model, config: dict) -> int:
+    """The text tokens a model's cross-attention reads: its tokenizer's length when the folder says
+    it (a pipeline's tokenizer/, a mini SD's minisd.json), else the mini SD's 24 for a 384-wide
+    U-Net (all-MiniLM-L6-v2's) and SD's 77 for any other."""
+    import json
+    from pathlib import Path
+
+    folder = Path(str(model))
+    for path, key in (
+        (folder / "tokenizer" / "tokenizer_config.json", "model_max_length"),
+        (folder / "minisd.json", "max_length"),
+    ):
+        try:
+            value = json.loads(path.read_text()).get(key)
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(value, int) and not isinstance(value, bool) and 0 < value < 100_000:
+            return value
+    return 24 if config.get("cross_attention_dim") == 384 else 77
+
+
 def _role(name: str) -> str:
     role = parameter_role(f"{name}.weight")
     if role == "self_attention":
@@ -105,7 +126,7 @@ def compute(
     if min(height, width) // factor < 2 ** (levels - 1):
         raise SdkitError(f"image size {height}x{width} is too small for {levels} levels")
     latent = (height // factor, width // factor)
-    tokens = text_tokens or (77 if config.get("cross_attention_dim", 0) != 384 else 24)
+    tokens = text_tokens or default_text_tokens(model, config)
     batch = batch * (2 if cfg else 1)
     flops: dict[str, int] = {}  # per module name
     roles = dict.fromkeys(ROLES, 0)

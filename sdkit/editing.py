@@ -13,11 +13,18 @@ common words take the source's. `reweight` scales a word's attention in the edit
 equaliser; 1 changes nothing), and `self_replace` injects the source's self-attention at the coarse
 levels for the first part of sampling. Only the conditional half of classifier-free guidance is
 edited, as P2P does; a layer or step with nothing to edit runs its own processor, to the bit.
+
+`local_blend` is P2P's local blending: a mask from the cross-attention of the words the edit
+changed, and the edited branch is the source outside it. P2P blends the latents after each
+scheduler step; here the U-Net's prediction is blended (a forward hook), which any pipeline's loop
+then steps as it steps its own: for a fixed mask the two are the same, since a DDIM (or DPM)
+step is linear in the sample and the prediction and both branches start from the same noise.
 """
 
 from __future__ import annotations
 
 import difflib
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -33,12 +40,18 @@ class EditSettings:
     self_replace: float = 0.0  # ... and the source's self-attention, at layers of at most self_max_cells
     self_max_cells: int = 256  # P2P's 16x16 on SD's 64x64 latent: the coarse levels only
     reweight: dict[str, float] = field(default_factory=dict)  # word of the edited prompt -> factor
+    # P2P's local blending: the edited branch changes only where the words the edit changed (and
+    # the reweighted ones) attend, their maps summed over layers and steps so far, each at most
+    # blend_threshold of its peak left out; everywhere else it is the source, to the bit
+    local_blend: bool = False
+    blend_threshold: float = 0.3
 
     def check(self) -> None:
-        for name in ("cross_replace", "self_replace"):
+        for name in ("cross_replace", "self_replace", "blend_threshold"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0 <= value <= 1):
-                raise SdkitError(f"{name} is a fraction of the steps, 0 to 1, not {value!r}")
+                what = "of the words' peak attention" if name == "blend_threshold" else "of the steps"
+                raise SdkitError(f"{name} is a fraction {what}, 0 to 1, not {value!r}")
         for word, factor in self.reweight.items():
             if not (isinstance(factor, (int, float)) and 0 <= factor < float("inf")):
                 raise SdkitError(f"the reweight of {word!r} must be a finite factor of 0 or more, not {factor!r}")
@@ -49,6 +62,8 @@ class EditSettings:
         if self.self_replace:
             parts.append(f"self-attention for the first {self.self_replace:.0%}")
         parts += [f"{word} x{factor:g}" for word, factor in self.reweight.items()]
+        if self.local_blend:
+            parts.append(f"blended where the changed words attend (> {self.blend_threshold:g} of peak)")
         return ", ".join(parts)
 
 
@@ -121,6 +136,8 @@ class PromptEdit:
     one such dict per pair; steps: the denoising steps of the call. With `record`, every edited
     layer's conditional weights of both branches are kept in `recorded[(layer, step)]` as
     (source, edited), each (pairs, heads, cells, tokens), the pair axis dropped for one pair.
+    With settings.local_blend, `blended` holds, per pair, the cells (at the U-Net's input grid) that
+    any step's mask let the edited branch change: (pairs, height, width), booleans.
     """
 
     def __init__(
@@ -147,10 +164,31 @@ class PromptEdit:
                 self.equalizer[pair, positions] = factor
         self.cross_steps = round(settings.cross_replace * steps)
         self.self_steps = round(settings.self_replace * steps)
-        self.step, self.cfg = -1, False
+        self.step, self.cfg, self.grid = -1, False, (0, 0)
         self.recorded: dict | None = {} if record else None
         self._original = None
-        self._hook = None
+        self._hooks: list = []
+        if settings.local_blend:
+            # the tokens whose maps mark the region: those the edit swapped, added or dropped, and
+            # the reweighted ones; (pairs, tokens) weights for the source and the edited prompt
+            self.blend_words = torch.zeros(2, *self.mapper.shape)
+            for pair, (a, b) in enumerate(zip(sources, edits)):
+                for position, origin in enumerate(self.mapper[pair].tolist()):
+                    if origin < 0 or a[origin] != b[position]:
+                        self.blend_words[1, pair, position] = 1
+                kept = set(self.mapper[pair].tolist())
+                for position in range(len(a)):
+                    if position not in kept or self.blend_words[1, pair, self.mapper[pair] == position].any():
+                        self.blend_words[0, pair, position] = 1
+                for positions, _ in reweights[pair].values():
+                    self.blend_words[1, pair, positions] = 1
+            if not self.blend_words.any(0).any(-1).all():  # each pair needs a word in one prompt or the other
+                raise SdkitError(
+                    "local blending needs words that changed: a pair's prompts are the same and no word is "
+                    "reweighted, so there is nothing to blend on"
+                )
+            self.blend_maps: torch.Tensor | None = None  # (pairs, 2 prompts, height, width), summed
+            self.blended: torch.Tensor | None = None
 
     def __enter__(self) -> PromptEdit:
         self._original = self.unet.attn_processors
@@ -159,11 +197,14 @@ class PromptEdit:
             for name, processor in self._original.items()
         }
         self.unet.set_attn_processor(replaced)
-        self._hook = self.unet.register_forward_pre_hook(self._count, with_kwargs=True)
+        self._hooks = [self.unet.register_forward_pre_hook(self._count, with_kwargs=True)]
+        if self.settings.local_blend:
+            self._hooks.append(self.unet.register_forward_hook(self._blend))
         return self
 
     def __exit__(self, *exc) -> None:
-        self._hook.remove()
+        for hook in self._hooks:
+            hook.remove()
         self.unet.set_attn_processor(dict(self._original))
         self._original = None
 
@@ -175,13 +216,49 @@ class PromptEdit:
                 f"guidance; the U-Net got {len(sample)}"
             )
         self.cfg = len(sample) == 4 * self.pairs
+        self.grid = tuple(sample.shape[-2:])
         self.step += 1
 
     def acts(self, cross: bool, cells: int) -> bool:
-        """Whether this call of a layer has anything to edit."""
+        """Whether this call of a layer has anything to edit (or, blending, any map to read)."""
         if cross:
-            return self.step < self.cross_steps
+            return self.step < self.cross_steps or self.settings.local_blend
         return self.step < self.self_steps and cells <= self.settings.self_max_cells
+
+    def _gather_blend_maps(self, source: torch.Tensor, edited: torch.Tensor) -> None:
+        """Add this layer's maps of the blend words (conditional weights, (pairs, heads, cells,
+        tokens)) to the running sum, dilated by one cell at the layer's grid (as P2P does) and brought
+        to the input grid."""
+        import torch.nn.functional as F
+
+        from .geometry import halved
+
+        cells = source.shape[2]
+        depth = next((d for d in range(16) if math.prod(halved(*self.grid, d)) == cells), None)
+        if depth is None:
+            return  # not a grid of this U-Net's input (no such layer in a U-Net that diffusers builds)
+        words = self.blend_words.to(source.device, source.dtype)
+        maps = torch.stack(
+            [torch.einsum("phct,pt->pc", probs, w) / probs.shape[1] for probs, w in zip((source, edited), words)], 1
+        ).float()
+        maps = maps.view(*maps.shape[:2], *halved(*self.grid, depth))
+        maps = F.max_pool2d(maps, 3, stride=1, padding=1)
+        maps = F.interpolate(maps, size=self.grid, mode="nearest").cpu()
+        self.blend_maps = maps if self.blend_maps is None else self.blend_maps + maps
+
+    def _blend(self, module, args, output):
+        """The edited branches' prediction is the source's outside the mask (both guidance halves)."""
+        if self.blend_maps is None:
+            return output
+        peak = self.blend_maps.amax(dim=(-2, -1), keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+        mask = (self.blend_maps / peak > self.settings.blend_threshold).any(1)  # (pairs, height, width)
+        self.blended = mask if self.blended is None else self.blended | mask
+        sample = output[0]
+        mask = mask[:, None].to(sample.device)
+        for first in (0, 2 * self.pairs) if self.cfg else (0,):
+            sources = torch.arange(first, first + 2 * self.pairs, 2, device=sample.device)
+            sample[sources + 1] = torch.where(mask, sample[sources + 1], sample[sources])
+        return output
 
     def edited(self, name: str, probs: torch.Tensor, heads: int, cross: bool) -> torch.Tensor:
         """The weights (batch * heads, cells, tokens) with the conditional edited branches' replaced."""
@@ -190,14 +267,16 @@ class PromptEdit:
         first = 2 * self.pairs if self.cfg else 0
         sources = torch.arange(first, first + 2 * self.pairs, 2, device=probs.device)
         edits = sources + 1
-        if cross:
+        if cross and self.step < self.cross_steps:
             mapper = self.mapper.to(probs.device)  # (pairs, tokens)
             index = mapper.clamp_min(0)[:, None, None, :].expand(-1, heads, probs.shape[2], -1)
             from_source = torch.gather(probs[sources], -1, index)
             new = torch.where((mapper >= 0)[:, None, None, :], from_source, probs[edits])
             probs[edits] = new * self.equalizer.to(probs.device, probs.dtype)[:, None, None, :]
-        else:
+        elif not cross:
             probs[edits] = probs[sources]
+        if cross and self.settings.local_blend:
+            self._gather_blend_maps(probs[sources], probs[edits])
         if self.recorded is not None:
             pair = (probs[sources].detach().clone(), probs[edits].detach().clone())
             self.recorded[(name, self.step)] = tuple(t[0] for t in pair) if self.one else pair

@@ -103,12 +103,14 @@ class Localization:
 
 
 def _noised(pipe, pixels: torch.Tensor, t: int, seed: int) -> torch.Tensor:
-    """The pixels noised to timestep t under the model's own schedule."""
+    """The images, as the U-Net sees them (pixels, or a latent model's latents), noised to timestep t
+    under the model's own schedule."""
     from diffusers import DDPMScheduler
 
+    clean = pipe.encode_images(pixels)
     scheduler = DDPMScheduler.from_config(pipe.scheduler_config)
-    noise = torch.randn(pixels.shape, generator=torch.Generator().manual_seed(seed))
-    return scheduler.add_noise(pixels, noise, torch.full((len(pixels),), t))
+    noise = torch.randn(clean.shape, generator=torch.Generator().manual_seed(seed))
+    return scheduler.add_noise(clean, noise, torch.full((len(clean),), t))
 
 
 @torch.no_grad()

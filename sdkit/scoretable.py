@@ -2,7 +2,8 @@
 
 Self-attention over n cells builds an n x n table of scores per head. SD 1.x attends over a
 64x64 latent for a 512x512 image (4,096 cells); a model on pixels would attend over 262,144 cells.
-The analytic part reads heads and head sizes from a preset built on the meta device; the measured
+The analytic part reads heads and head sizes from a preset, model folder or checkpoint built on the
+meta device (shapes only); the measured
 part runs one self-attention three ways (naive, query-chunked, PyTorch SDPA) and records time,
 peak memory and agreement.
 """
@@ -26,7 +27,6 @@ from .common import SdkitError, available_memory, format_bytes, format_table, pe
 from .geometry import VAE_FACTOR, halved, image_factor
 
 SWEEP_SCALES = (0.5, 1, 1.5, 2, 4)  # of the requested sides, so the sweep keeps its aspect ratio
-TEXT_TOKENS = 77  # CLIP's context: what every SD cross-attention reads
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 IMPLEMENTATIONS = ("naive", "chunked", "sdpa")
 DEFAULT_CHUNK_BUDGET = 64 * 2**20  # bytes of scores per chunk
@@ -51,7 +51,7 @@ class Level:
 class ScoreTables:
     height: int
     width: int
-    preset: str
+    model: str  # a preset's name, or the folder or file the shapes were read from
     dtype: str
     batch: int
     cfg: bool
@@ -85,16 +85,18 @@ def table_bytes(tokens: int, dtype: str, heads: int = 1, batch: int = 1, query_t
     return batch * heads * (tokens if query_tokens is None else query_tokens) * tokens * element_size(dtype)
 
 
-def attention_levels(preset: str) -> tuple[list[dict], int]:
-    """Per U-Net depth: heads, head size and how many self- and cross-attention layers run there;
-    and the pixels per grid cell at the input (8 through SD's VAE, 1 for a pixel-space U-Net)."""
+def attention_levels(model) -> tuple[list[dict], int, int | None, int]:
+    """Per U-Net depth of a preset, model folder or checkpoint file (built on the meta device):
+    heads, head size and how many self- and cross-attention layers run there; the pixels per grid
+    cell at the input (8 through SD's VAE, 1 for a pixel-space U-Net); the image side the model was
+    made for, when its config says; and the text tokens its cross-attention reads."""
     # Imported here: the CPU measurement children import this module and need only torch.
     from .audit import parameter_level
-    from .geometry import level_depth
-    from .presets import build_unet, preset_config
+    from .compute import default_text_tokens, meta_unet
+    from .geometry import level_depth, native_image_size
 
-    config = preset_config(preset)
-    unet = build_unet(config, weights="meta")
+    unet = meta_unet(model)
+    config = dict(unet.config)
     by_depth: dict[int, dict] = {}
     for name, module in unet.named_modules():
         if not name.endswith((".attn1", ".attn2")):
@@ -111,7 +113,8 @@ def attention_levels(preset: str) -> tuple[list[dict], int]:
             },
         )
         entry["cross_layers" if name.endswith(".attn2") else "layers"] += 1
-    return [by_depth[d] for d in sorted(by_depth)], image_factor(config)
+    levels = [by_depth[d] for d in sorted(by_depth)]
+    return levels, image_factor(config), native_image_size(config), default_text_tokens(model, config)
 
 
 def latent_grid(height: int, width: int, depth: int, factor: int = VAE_FACTOR) -> tuple[int, int]:
@@ -120,16 +123,22 @@ def latent_grid(height: int, width: int, depth: int, factor: int = VAE_FACTOR) -
 
 
 def score_tables(
-    height: int = 512,
+    height: int | None = None,
     width: int | None = None,
-    preset: str = "sd15",
+    model: str = "sd15",
     dtype: str = "float16",
     batch: int = 1,
     cfg: bool = False,
-    text_tokens: int = TEXT_TOKENS,
+    text_tokens: int | None = None,
 ) -> ScoreTables:
     """Exact score-table sizes per self-attention level, for pixels, for cross-attention (cells x
-    text tokens), and over a sweep of sizes with the requested aspect ratio."""
+    text tokens), and over a sweep of sizes with the requested aspect ratio. `model`: a preset, a
+    diffusers U-Net or pipeline folder, or a checkpoint file (its shapes only: nothing is loaded);
+    `height` defaults to the side it was made for (else 512), `text_tokens` to what its tokenizer
+    reads (SD's 77 unless the folder says otherwise)."""
+    depths, factor, native, tokens = attention_levels(model)
+    height = height if height is not None else native or 512
+    text_tokens = tokens if text_tokens is None else text_tokens
     width = height if width is None else width
     if dtype not in DTYPES:
         raise SdkitError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
@@ -137,9 +146,8 @@ def score_tables(
         raise SdkitError(f"batch must be at least 1, not {batch}")
     if text_tokens < 1:
         raise SdkitError(f"text tokens must be at least 1, not {text_tokens}")
-    depths, factor = attention_levels(preset)
     if not depths:
-        raise SdkitError(f"{preset} has no self-attention layers")
+        raise SdkitError(f"{model} has no self-attention layers")
     if height <= 0 or width <= 0 or height % factor or width % factor:
         raise SdkitError(f"image size {height}x{width}: both sides must be positive multiples of {factor}")
     effective = batch * (2 if cfg else 1)
@@ -183,7 +191,7 @@ def score_tables(
                 "table_vs_requested": tokens**2 / requested**2,
             }
         )
-    return ScoreTables(height, width, preset, dtype, batch, cfg, levels, pixel, cross, text_tokens, sweep)
+    return ScoreTables(height, width, str(model), dtype, batch, cfg, levels, pixel, cross, text_tokens, sweep)
 
 
 def format_score_tables(t: ScoreTables) -> str:
@@ -205,7 +213,7 @@ def format_score_tables(t: ScoreTables) -> str:
         format_table(
             ["level", "tokens", "heads", "head dim", "layers", "scores per head", "per head", "all heads"],
             rows,
-            title=f"Self-attention score tables for a {t.height}x{t.width} image ({t.preset}, {t.dtype}, {batch};\n"
+            title=f"Self-attention score tables for a {t.height}x{t.width} image ({t.model}, {t.dtype}, {batch};\n"
             f"one layer; 'all heads' = heads x batch)",
         )
     ]

@@ -90,6 +90,7 @@ def test_self_attention_is_injected_only_at_coarse_levels_and_early_steps(pipe):
     [
         (EditSettings(cross_replace=1.5), "cross_replace is a fraction"),
         (EditSettings(reweight={"blue": -1.0}), "must be a finite factor"),
+        (EditSettings(local_blend=True, blend_threshold=2.0), "blend_threshold is a fraction"),
     ],
 )
 def test_bad_settings_are_refused(pipe, settings, words):
@@ -115,6 +116,58 @@ def test_refinement_keeps_the_new_words_maps_and_aligns_the_rest(pipe):
     for source, edited in edit.recorded.values():
         assert torch.equal(edited[..., kept], source[..., torch.tensor(mapper)[kept]])
         assert not torch.equal(edited[..., 2:6], source[..., 2:6])  # green's own attention, not red's
+
+
+def blended_edit(pipe, threshold: float, cross_replace: float = 1.0):
+    """(latents of the batch (source, edited), the PromptEdit) of an edit with local blending."""
+    ids = [prompt_ids(pipe.tokenizer, p) for p in (SOURCE, EDITED)]
+    noise = torch.randn((1, 4, 32, 32), generator=torch.Generator().manual_seed(0))
+    settings = EditSettings(cross_replace=cross_replace, local_blend=True, blend_threshold=threshold)
+    with PromptEdit(pipe.unet, *ids, settings, STEPS) as edit:
+        latents = pipe(
+            [SOURCE, EDITED],
+            num_inference_steps=STEPS,
+            latents=noise.expand(2, 4, 32, 32).clone(),
+            output_type="latent",
+        ).images
+    return latents, edit
+
+
+def test_local_blending_changes_only_where_the_changed_words_attend(pipe):
+    """The mask is the source's 'red' and the edit's 'blue' (the changed words); outside every
+    step's mask the edited branch is the source, to the bit, and inside it is not."""
+    latents, edit = blended_edit(pipe, 0.95)  # random weights attend almost evenly: a high cut splits the cells
+    ids = [prompt_ids(pipe.tokenizer, p) for p in (SOURCE, EDITED)]
+    changed = [p for p, (a, b) in enumerate(zip(*ids)) if a != b]
+    assert len(changed) == 1 and edit.blend_words[:, 0].nonzero().tolist() == [[0, changed[0]], [1, changed[0]]]
+    region = edit.blended[0]  # (32, 32): the cells any step let change
+    assert 0 < region.sum() < region.numel()
+    outside = ~region.expand(4, -1, -1)
+    assert torch.equal(latents[1][outside], latents[0][outside])
+    assert not torch.equal(latents[1][~outside], latents[0][~outside])
+
+
+def test_local_blending_at_its_extremes_is_the_source_or_the_unblended_edit_to_the_bit(pipe):
+    none, _ = blended_edit(pipe, 1.0)  # no cell passes its peak: the edit is the source
+    assert torch.equal(none[1], none[0])
+    everywhere, _ = blended_edit(pipe, 0.0)  # every cell has some attention: nothing is blended away
+    ids = [prompt_ids(pipe.tokenizer, p) for p in (SOURCE, EDITED)]
+    noise = torch.randn((1, 4, 32, 32), generator=torch.Generator().manual_seed(0))
+    with PromptEdit(pipe.unet, *ids, EditSettings(cross_replace=1.0), STEPS):
+        unblended = pipe(
+            [SOURCE, EDITED],
+            num_inference_steps=STEPS,
+            latents=noise.expand(2, 4, 32, 32).clone(),
+            output_type="latent",
+        ).images
+    assert torch.equal(everywhere, unblended)
+
+
+def test_local_blending_needs_a_changed_or_reweighted_word(pipe):
+    with pytest.raises(SdkitError, match="nothing to blend on"):
+        edit_sd(pipe, SOURCE, SOURCE, EditSettings(local_blend=True), STEPS)
+    louder = edit_sd(pipe, SOURCE, None, EditSettings(local_blend=True, reweight={"red": 3.0}), STEPS, output_type="np")
+    assert not np.array_equal(louder[0], louder[1])
 
 
 # --- on the mini SD: edit sets, the judge of an edit, the command ------------------------------------

@@ -246,3 +246,94 @@ def test_the_minisd_commands_take_a_latent_model(cli, latent_minisd, tmp_path):
     assert code == 0, err
     results = json.loads(out)["results"]
     assert results["judge, VAE round trips"]["pairs"]["all"] >= 0 and "untrained" in results
+
+
+# --- the tools of the other commands, on a latent mini SD and the stock pipeline that holds it -------------------
+
+
+def test_the_audit_splits_a_pipeline_folder_and_the_pipeline_object_alike(cli, latent_minisd):
+    from diffusers import StableDiffusionPipeline
+
+    from sdkit.audit import audit, audit_module
+
+    pipe = StableDiffusionPipeline.from_pretrained(latent_minisd)
+    from_folder, from_object = audit(latent_minisd), audit_module(pipe)
+    assert set(from_folder.components) == set(from_object.components) == {"unet", "vae", "text_encoder"}
+    for name in ("unet", "vae", "text_encoder"):
+        held = sum(p.numel() for p in getattr(pipe, name).parameters())
+        assert from_folder.components[name]["params"] == from_object.components[name]["params"] == held
+    assert from_folder.total == from_object.total == sum(p.numel() for p in pipe.unet.parameters())
+    assert from_folder.roles == from_object.roles and from_folder.levels == from_object.levels
+    code, out, err = cli("audit", latent_minisd, "--json")
+    assert code == 0, err
+    assert json.loads(out)["components"]["vae"]["params"] == sum(p.numel() for p in pipe.vae.parameters())
+
+
+def test_score_tables_read_the_levels_and_token_count_of_a_pipeline_folder(cli, latent_minisd):
+    from sdkit.scoretable import score_tables
+
+    spec = MiniSDSpec.read(latent_minisd)
+    tables = score_tables(model=str(latent_minisd))
+    assert (tables.height, tables.width, tables.text_tokens) == (spec.image_size, spec.image_size, spec.max_length)
+    # micro_latent_unet at 32 px: a 4x4 latent; cross-attention in down 0 (1 layer) and up 1 (2) at 4x4,
+    # and the mid block's at 2x2
+    assert [(c.name, c.layers, c.entries_per_head) for c in tables.cross] == [
+        ("latent 4x4", 3, 16 * spec.max_length),
+        ("latent 2x2", 1, 4 * spec.max_length),
+        ("pixel 32x32", 0, 32 * 32 * spec.max_length),
+    ]
+    code, out, err = cli("scoretable", "--model", latent_minisd, "--size", "64", "--json")
+    assert code == 0, err
+    assert json.loads(out)["cross"][0]["grid"] == [8, 8]
+    code, _, err = cli("scoretable", "--model", "no/such/folder")
+    assert code == 2 and "no/such/folder" in err
+
+
+def test_maps_against_masks_read_a_latent_model_through_its_vae(cli, latent_minisd):
+    pipe = MiniSDPipeline.from_pretrained(latent_minisd)
+    pixels = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    with torch.no_grad():
+        expected = pipe.vae.encode(pixels).latent_dist.mean * pipe.vae.config.scaling_factor
+    latents = pipe.encode_images(pixels)
+    assert latents.shape == (2, 4, 4, 4)
+    torch.testing.assert_close(latents, expected, rtol=0, atol=0)
+    code, out, err = cli(
+        "condition", "--unet", latent_minisd, "--masks", "--count", "2", "--timesteps", "500", "--json"
+    )
+    assert code == 0, err
+    rows = json.loads(out)["localization"][0]["rows"]
+    assert {r["resolution"] for r in rows} == {4, 2, "all layers"}
+    assert all(0 <= r["word"]["auc"] <= 1 for r in rows)
+
+
+def test_single_and_multi_token_conditioning_are_compared_on_a_latent_model(cli, latent_minisd):
+    from sdkit.minisd.conditions import CONDITIONS
+
+    code, out, err = cli("condition", "--unet", latent_minisd, "--generate", "--count", "1", "--steps", "2", "--json")
+    assert code == 0, err
+    assert set(json.loads(out)["results"]) == set(CONDITIONS)
+
+
+def test_the_adapter_is_judged_at_a_latent_u_net(cli, latent_minisd, bert, tmp_path):
+    from sdkit.encoders import write_tiny_bert_encoder
+
+    wide = write_tiny_bert_encoder(tmp_path / "wide", 48, seed=1)
+    code, out, err = cli(
+        "adapter", "train", "--unet", latent_minisd, "--new", wide, "--old", bert.source, "--captions", "60",
+        "--kinds", "linear", "--epochs", "1", "--judge", "1", "--out", tmp_path / "adapters", "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    judged = json.loads(out)["judged"]
+    assert set(judged["results"]) >= {"native", "linear"} and judged["count"] == 1
+
+
+def test_the_order_studies_read_a_latent_model_on_its_decoded_pixels(latent_minisd):
+    """Caption against noise and relation by step read the order of colours in pixels: on a latent
+    model, in its predictions decoded by its VAE (the U-Net noised and predicting on latents)."""
+    from sdkit.minisd.trajectory import caption_against_noise, relation_by_step
+
+    pipe = MiniSDPipeline.from_pretrained(latent_minisd)
+    against = caption_against_noise(pipe, count=6, timesteps=(300, 900))
+    assert against.pairs > 0 and all(len(shares) == 2 for shares in against.shares.values())
+    by_step = relation_by_step(pipe, count=6, steps=2)
+    assert len(by_step.timesteps) == 2 and all(0 <= s <= 1 for v in by_step.shares.values() for s in v)

@@ -76,11 +76,11 @@ def test_cross_attention_tables_are_cells_by_text_tokens():
     assert score_tables(512, text_tokens=154).cross[0].entries_per_head == 4096 * 154
     assert "Cross-attention score tables (cells x 77 text tokens" in format_score_tables(t)
     assert latent_grid(520, 520, 3) == (9, 9)  # 65 -> 33 -> 17 -> 9: stride-2 convs round up
-    assert score_tables(512, preset="sd21").levels[0].heads == 5
+    assert score_tables(512, model="sd21").levels[0].heads == 5
 
 
 def test_sdxl_has_no_self_attention_at_the_finest_level():
-    t = score_tables(1024, preset="sdxl")
+    t = score_tables(1024, model="sdxl")
     assert [lv.tokens for lv in t.levels] == [64 * 64, 32 * 32]
     assert [lv.heads for lv in t.levels] == [10, 20]
 

@@ -556,7 +556,10 @@ def editing_table() -> str:
         )
         if row["self_replace"]:
             setting += f", self_replace {row['self_replace']:g}"
-        if (row["cross_replace"], row["self_replace"]) == (data["chosen_cross_replace"], data["chosen_self_replace"]):
+        if row["local_blend"]:
+            setting += ", local blend"
+        chosen = (data["chosen_cross_replace"], data["chosen_self_replace"], data["chosen_local_blend"])
+        if (row["cross_replace"], row["self_replace"], row["local_blend"]) == chosen:
             setting += " (chosen)"
         rows.append(
             [
@@ -572,7 +575,12 @@ def editing_table() -> str:
 
 def editing_reweight_table() -> str:
     data = load("editing")
-    rows = [[f"x{row['factor']:g}", pct(row["colour_shown"]), row["count"]] for row in data["reweight"]]
+    chosen = [data["chosen_cross_replace"], data["chosen_self_replace"], data["chosen_local_blend"]]
+    rows = [
+        [f"x{row['factor']:g}", pct(row["colour_shown"]), row["count"]]
+        for row in data["reweight"]
+        if row["setting"] == chosen
+    ]
     return markdown(["colour word's attention", "its colour shown", "images"], rows)
 
 
@@ -622,6 +630,12 @@ def latent_vs_pixel_table() -> str:
         ("sampling, s per image (25 steps)", lambda r: f"{r['sampling_seconds_per_image']:.2f}"),
         ("cross-attention score table per head and layer (cells x tokens)", cross),
         ("U-Net GFLOPs per sampling step (both guidance halves)", lambda r: f"{r['unet_flops_per_step'] / 1e9:.2f}"),
+        (
+            "word maps against masks, AUC per grid (centre prior's)",
+            lambda r: ", ".join(
+                f"{m['grid']}x{m['grid']}: {m['word_auc']:.2f} ({m['centre_prior_auc']:.2f})" for m in r["maps"]
+            ),
+        ),
     ]
     rows = [[name, fn(pixel), fn(latent)] for name, fn in measures]
     return markdown(["", "pixel mini SD", "latent mini SD"], rows)

@@ -112,9 +112,10 @@ def _run_comparison(args, new_dir, old_dir, prompts, note: str | None = None) ->
     data = {"encoders": note, **report.to_json()}
     if spec and args.judge:
         from ..minisd.adapters import SETS, format_judged, judge_adapters
-        from ..minisd.pipeline import MiniSDPipeline, read_scheduler_config
+        from ..minisd.pipeline import MiniSDPipeline, load_vae, read_scheduler_config
 
-        pipe = MiniSDPipeline(unet, read_scheduler_config(args.unet), spec, old)
+        vae = load_vae(args.unet) if spec.space == "latents" else None
+        pipe = MiniSDPipeline(unet, read_scheduler_config(args.unet), spec, old, vae)
         adapters = report.adapters
         total = args.judge * len(SETS) * (1 + len(adapters))
         with progress_bar(args, total=total, desc="judging", unit="image") as bar:

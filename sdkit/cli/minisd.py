@@ -380,9 +380,15 @@ def cmd_minisd_edit(args) -> None:
     if args.first_seed + args.seeds > 2**63:
         raise SdkitError(f"--first-seed {args.first_seed} + {args.seeds} seeds passes the largest seed, 2^63 - 1")
     settings = EditSettings(
-        cross_replace=args.cross_replace, self_replace=args.self_replace, reweight=args.reweight or {}
+        cross_replace=args.cross_replace,
+        self_replace=args.self_replace,
+        reweight=args.reweight or {},
+        local_blend=args.local_blend,
+        blend_threshold=args.blend_threshold,
     )
     settings.check()
+    if not args.local_blend:
+        refuse_options(args, ("blend_threshold",), "without --local-blend")
     edited_prompt = args.to if args.to is not None else args.prompt
     if args.to is None and not args.reweight:
         raise SdkitError("give the edited prompt (--to) or a reweight (--reweight WORD=FACTOR), or both")
@@ -407,6 +413,8 @@ def cmd_minisd_edit(args) -> None:
             "cross_replace": settings.cross_replace,
             "self_replace": settings.self_replace,
             "reweight": settings.reweight,
+            "local_blend": settings.local_blend,
+            "blend_threshold": settings.blend_threshold if settings.local_blend else None,
             "steps": args.steps,
             "guidance_scale": args.guidance,
             "picture": args.out,
@@ -657,6 +665,17 @@ def register(sub) -> None:
         type=nonnegative_float,
         default=0.0,
         help="the fraction of steps whose coarse self-attention is the source's",
+    )
+    q.add_argument(
+        "--local-blend",
+        action="store_true",
+        help="change only where the words the edit changed attend; elsewhere the source (P2P's local blending)",
+    )
+    q.add_argument(
+        "--blend-threshold",
+        type=nonnegative_float,
+        default=0.3,
+        help="--local-blend: the share of the words' peak attention a cell needs to be changed",
     )
     q.add_argument(
         "--seeds", type=at_most(256, "a picture holds 256 rows"), default=4, help="edits (seeds first-seed, +1, ...)"

@@ -29,7 +29,7 @@ def cmd_scoretable(args) -> None:
 
     height = args.height if args.height is not None else args.size
     width = args.width if args.width is not None else height
-    tables = score_tables(height, width, args.preset, args.dtype, args.batch, args.cfg, args.text_tokens)
+    tables = score_tables(height, width, args.model, args.dtype, args.batch, args.cfg, args.text_tokens)
     measured = []
     if args.measure:
         finest = tables.levels[0]
@@ -69,19 +69,26 @@ def register(sub) -> None:
         "model, the cross-attention tables (cells x text tokens) and a size sweep at the "
         "requested aspect ratio; with --measure, one attention run naive, chunked and with SDPA.",
     )
-    p.add_argument("--size", type=positive_int, default=512, help="square image side in pixels")
+    p.add_argument(
+        "--size", type=positive_int, help="square image side in pixels (default: the model's own, e.g. 512 for SD 1.5)"
+    )
     p.add_argument("--height", type=positive_int, help="image height (with --width, for non-square images)")
     p.add_argument("--width", type=positive_int, help="image width (default: the height)")
     p.add_argument(
+        "--model",
         "--preset",
-        choices=PRESET_NAMES.split(", "),
         default="sd15",
-        help="U-Net whose levels, heads and head sizes to use",
+        help=f"U-Net whose levels, heads and head sizes to use: a preset ({PRESET_NAMES}), a diffusers "
+        "U-Net or pipeline folder, or a checkpoint file (shapes only, nothing loaded)",
     )
     p.add_argument("--batch", type=positive_int, default=1, help="images per batch")
     p.add_argument("--cfg", action="store_true", help="classifier-free guidance (doubles the batch)")
     p.add_argument("--dtype", choices=DTYPES, default="float16", help="dtype of the analytic tables")
-    p.add_argument("--text-tokens", type=positive_int, default=77, help="text tokens the cross-attention reads")
+    p.add_argument(
+        "--text-tokens",
+        type=positive_int,
+        help="text tokens the cross-attention reads (default: the model's tokenizer length, else SD's 77)",
+    )
     p.add_argument("--measure", action="store_true", help="also run one self-attention and measure it")
     p.add_argument("--tokens", type=positive_int, help="tokens to measure at (default: the finest latent level)")
     p.add_argument("--heads", type=positive_int, help="heads to measure with (default: the finest level's)")

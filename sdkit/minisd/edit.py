@@ -182,6 +182,7 @@ def study_row(
         "cross_replace": settings.cross_replace,
         "self_replace": settings.self_replace,
         "reweight": settings.reweight,
+        "local_blend": settings.local_blend,
         "seed": seed,
         "seconds": time.perf_counter() - start,
         **rates(judged),

@@ -577,6 +577,17 @@ class MiniSDPipeline:
         return sample.float().cpu(), (steerer.losses if steering is not None else [])
 
     @torch.no_grad()
+    def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Pixels in [-1, 1] -> what the U-Net denoises: the pixels themselves, or the VAE's scaled
+        latents. The posterior's mean, not a draw from it: a reading of given images is then the
+        same on every run (training drew from the posterior; its spread is small beside the noise
+        any timestep past the first few adds)."""
+        if self.vae is None:
+            return pixels
+        vae = self.vae
+        return (vae.encode(pixels.to(vae.dtype)).latent_dist.mean * vae.config.scaling_factor).float()
+
+    @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Scaled latents -> pixels in [-1, 1], as diffusers' pipeline decodes them."""
         vae = self.vae

@@ -97,6 +97,8 @@ def relation_by_step(
             if index == len(timesteps):
                 timesteps.append(int(timestep))
             clean = predicted_clean(scheduler, sample.float().cpu(), prediction.float().cpu(), timestep)
+            if pipe.vae is not None:  # a latent model's prediction is read on its decoded pixels
+                clean = pipe.decode(clean)
             end = begin + len(sample)
             order[relation][begin:end, index] = order_moment(clean, first[begin:end], second[begin:end])
             colour[relation][begin:end, index] = horizontal_moment(clean.norm(dim=1))
@@ -197,19 +199,24 @@ def caption_against_noise(
         SOURCES[0]: [render(s, side, random.Random(i)).image for i, s in enumerate(scenes)],
         SOURCES[1]: [render(swapped_objects(s), side, random.Random(i)).image for i, s in enumerate(scenes)],
     }
-    noise = torch.randn((len(scenes), 3, side, side), generator=torch.Generator().manual_seed(seed))
     scheduler = DDPMScheduler.from_config(pipe.scheduler_config)
     param = next(pipe.unet.parameters())
     states = pipe.encode([s.caption for s in scenes]).to(param.device, param.dtype)
     empty = pipe.encode([""]).to(param.device, param.dtype)
     per_pair = {name: torch.zeros(len(scenes), len(timesteps)) for name in SOURCES}
+    noise = None
     for name, images in sources.items():
-        clean = torch.from_numpy(np.stack([to_model(image) for image in images]))
+        # a latent model is noised and predicts on its latents; the order is read on the decoded pixels
+        clean = pipe.encode_images(torch.from_numpy(np.stack([to_model(image) for image in images])))
+        if noise is None:
+            noise = torch.randn(clean.shape, generator=torch.Generator().manual_seed(seed))
         for k, t in enumerate(timesteps):
             t_batch = torch.full((len(scenes),), int(t))
             noisy = scheduler.add_noise(clean, noise, t_batch).to(param.device, param.dtype)
             prediction = pipe.guided_prediction(pipe.model_input(noisy), int(t), states, empty, guidance_scale)
             implied = predicted_clean(scheduler, noisy.float().cpu(), prediction.float().cpu(), t)
+            if pipe.vae is not None:
+                implied = pipe.decode(implied)
             per_pair[name][:, k] = (order_moment(implied, first, second) * asked > 0).float()
     shares, intervals = shares_with_intervals(per_pair)
     return CaptionAgainstNoise(
