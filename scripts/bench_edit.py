@@ -27,8 +27,8 @@ def main() -> int:
     sources, edits = [s.caption for s, _ in pairs], [e.caption for _, e in pairs]
     seeds = list(range(16))
     settings = {
-        "edit": EditSettings(cross_replace=0.8),
-        "edit with local blending": EditSettings(cross_replace=0.8, local_blend=True),
+        "edits": EditSettings(cross_replace=0.8),
+        "edits with local blending": EditSettings(cross_replace=0.8, local_blend=True),
     }
     pipe(sources[:2], 2, seeds=seeds[:2])  # warm-up
     ratios = {name: [] for name in settings}
@@ -42,12 +42,12 @@ def main() -> int:
             edit_images(pipe, sources, edits, setting, seeds, 25, 4.0, pairs_per_batch=16)
             edit = time.perf_counter() - start
             ratios[name].append(edit / plain)
-            line += f", 16 {name}s {edit:.1f} s ({edit / plain:.2f}x)"
+            line += f", 16 {name} {edit:.1f} s ({edit / plain:.2f}x)"
         print(line, flush=True)
     for name, values in ratios.items():
         print(
-            f"an {name} costs {statistics.median(values):.2f}x a plain image (median of 3 rounds; target at most "
-            f"2.2x; {torch.get_num_threads()} threads)"
+            f"{name}: one costs {statistics.median(values):.2f}x a plain image (median of 3 rounds; target at "
+            f"most 2.2x; {torch.get_num_threads()} threads)"
         )
     return 0
 

@@ -49,6 +49,9 @@ def main() -> int:
     data.setdefault("reweight", [])
     for row in data["tuning"] + data["rows"]:  # rows from before local blending had none
         row.setdefault("local_blend", False)
+    # reported rows from before the split by the source's verdict are judged again (the tuning
+    # rows choose by "both" alone, which they hold)
+    data["rows"] = [row for row in data["rows"] if "source_right" in row]
     for row in data["reweight"]:
         row.setdefault("setting", [data["chosen_cross_replace"], data["chosen_self_replace"], False])
 

@@ -72,6 +72,8 @@ def row(folder: Path, eval_path: Path, maps_count: int) -> dict:
         },
         "judged_count": evaluation["counts"]["pairs"],
         "pairs_left_right_if_bound": evaluation["results"]["model"]["pairs"]["position_if_bound"],
+        "pairs_colour": evaluation["results"]["model"]["pairs"]["colour"],
+        "pairs_extra_objects": evaluation["results"]["model"]["pairs"]["extra"],
         "training_steps": settings["steps"],
         "training_batch": settings["batch_size"],
         "training_seconds": training["total_seconds"],

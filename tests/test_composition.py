@@ -265,6 +265,11 @@ class DenoisingPipe:
         self.captions += [p for p in prompts if p not in self.captions]
         return torch.tensor([float(self.captions.index(p)) for p in prompts]).view(-1, 1, 1)
 
+    vae = None  # a pixel model: it denoises the images themselves
+
+    def encode_images(self, pixels):
+        return pixels
+
     def model_input(self, sample):
         return sample
 
@@ -318,6 +323,8 @@ def test_caption_against_noise_tells_a_model_that_reads_the_caption_from_one_tha
 class DrawingPipe:
     """Stands in for a model: at every step its prediction implies the generator's own image of the
     caption (epsilon 0 on a schedule without noise), or of the caption with "left of" always."""
+
+    vae = None  # draws pixels
 
     def __init__(self, reads_relation: bool):
         from types import SimpleNamespace

@@ -187,7 +187,8 @@ def test_edit_sets_change_one_attribute_in_the_same_words():
 
 def test_the_judge_of_an_edit_on_the_generators_own_images():
     """Rendered by the generator (the answer key): the edited scene's image is edited and kept; the
-    source image itself is kept but not edited; an image whose object moved is not kept."""
+    source image itself is kept but not edited; an image whose object moved is not kept; a source
+    image that is not its caption's is said to be wrong."""
     import random
 
     from sdkit.minisd.data import render
@@ -197,11 +198,11 @@ def test_the_judge_of_an_edit_on_the_generators_own_images():
         for i, (source, edited) in enumerate(edit_set(kind, 8)):
             before = render(source, 32, random.Random(i)).image
             after = render(edited, 32, random.Random(i)).image
-            assert judge_edit(kind, before, after, source, edited) == {"edited": True, "kept": True, "both": True}, (
-                kind,
-                source.caption,
-            )
+            expected = {"edited": True, "kept": True, "both": True, "source_right": True}
+            assert judge_edit(kind, before, after, source, edited) == expected, (kind, source.caption)
             assert judge_edit(kind, before, before, source, edited)["edited"] is False
+            # the edited scene's image as the source of the edit back: a source drawn wrong, so said
+            assert judge_edit(kind, after, before, source, edited)["source_right"] is False
     source, edited = edit_set("colour_single", 1)[0]
     moved = edited.objects[0]
     elsewhere = type(edited)(
@@ -266,3 +267,17 @@ def test_the_edit_command(cli, micro_minisd, tmp_path):
     assert "give the edited prompt" in one_line(*cli(*base, "--out", tmp_path / "x.png")[::2])
     assert "a reweight is" in one_line(*cli(*base, "--reweight", "red", "--out", tmp_path / "x.png")[::2])
     assert "'purple' is not a word" in one_line(*cli(*base, "--reweight", "purple=2", "--out", tmp_path / "x.png")[::2])
+
+
+def test_edit_rates_split_by_whether_the_source_was_right():
+    from sdkit.minisd.edit import rates
+
+    def verdict(both, right):
+        return {"edited": both, "kept": both, "both": both, "source_right": right}
+
+    judged = [verdict(True, True)] * 3 + [verdict(False, True)] + [verdict(False, False)] * 4
+    out = rates(judged)
+    assert (out["both"], out["source_right"], out["right_source_both"]) == (3 / 8, 0.5, 3 / 4)
+    assert out["right_source_both_interval"][0] <= 0.75 <= out["right_source_both_interval"][1]
+    none_right = rates([verdict(False, False)] * 2)
+    assert none_right["right_source_both"] is None and none_right["source_right"] == 0

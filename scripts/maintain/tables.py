@@ -548,7 +548,7 @@ def editing_table() -> str:
     the edited prompt regenerated from the same seed, no injection)."""
     data = load("editing")
     rows = []
-    for row in data["rows"]:
+    for row in sorted(data["rows"], key=lambda r: list(EDIT_NAMES).index(r["edit"])):
         setting = (
             "regenerated (no injection)"
             if row["cross_replace"] == 0
@@ -568,9 +568,14 @@ def editing_table() -> str:
                 f"{pct(row['edited'])} {interval(row['edited_interval'])}",
                 f"{pct(row['kept'])} {interval(row['kept_interval'])}",
                 f"**{pct(row['both'])}** {interval(row['both_interval'])}",
+                pct(row["source_right"]),
+                "-"
+                if row["right_source_both"] is None
+                else f"{pct(row['right_source_both'])} {interval(row['right_source_both_interval'])}",
             ]
         )
-    return markdown(["edit set", "setting", "edited [95 % CI]", "kept [95 % CI]", "both [95 % CI]"], rows, right_from=2)
+    headers = ["edit set", "setting", "edited [95 % CI]", "kept [95 % CI]", "both [95 % CI]", "sources right"]
+    return markdown([*headers, "both, right sources [95 % CI]"], rows, right_from=2)
 
 
 def editing_reweight_table() -> str:
@@ -631,7 +636,7 @@ def latent_vs_pixel_table() -> str:
         ("cross-attention score table per head and layer (cells x tokens)", cross),
         ("U-Net GFLOPs per sampling step (both guidance halves)", lambda r: f"{r['unet_flops_per_step'] / 1e9:.2f}"),
         (
-            "word maps against masks, AUC per grid (centre prior's)",
+            "word maps against masks, AUC per grid, mean of 5 timesteps (centre prior's)",
             lambda r: ", ".join(
                 f"{m['grid']}x{m['grid']}: {m['word_auc']:.2f} ({m['centre_prior_auc']:.2f})" for m in r["maps"]
             ),
@@ -654,11 +659,13 @@ def latent_runs_table() -> str:
                 pct(judged["singles"]["all"]),
                 f"**{pct(judged['pairs']['all'])}** {interval(judged['pairs']['interval'])}",
                 pct(judged["held_out_pairs"]["all"]),
+                pct(run["pairs_colour"]),
+                pct(run["pairs_extra_objects"]),
                 pct(run["pairs_left_right_if_bound"]),
             ]
         )
     headers = ["run", "steps", "trained in", "singles all", "pairs all [95 % CI]", "held-out pairs all"]
-    return markdown([*headers, "pairs left/right if bound"], rows)
+    return markdown([*headers, "pairs colour", "pairs extra objects", "pairs left/right if bound"], rows)
 
 
 TABLES = {
