@@ -118,11 +118,10 @@ def test_refinement_keeps_the_new_words_maps_and_aligns_the_rest(pipe):
         assert not torch.equal(edited[..., 2:6], source[..., 2:6])  # green's own attention, not red's
 
 
-def blended_edit(pipe, threshold: float, cross_replace: float = 1.0):
-    """(latents of the batch (source, edited), the PromptEdit) of an edit with local blending."""
+def edited_latents(pipe, settings: EditSettings):
+    """(latents of the batch (source, edited), the PromptEdit) of an edit of SOURCE into EDITED."""
     ids = [prompt_ids(pipe.tokenizer, p) for p in (SOURCE, EDITED)]
     noise = torch.randn((1, 4, 32, 32), generator=torch.Generator().manual_seed(0))
-    settings = EditSettings(cross_replace=cross_replace, local_blend=True, blend_threshold=threshold)
     with PromptEdit(pipe.unet, *ids, settings, STEPS) as edit:
         latents = pipe(
             [SOURCE, EDITED],
@@ -131,6 +130,10 @@ def blended_edit(pipe, threshold: float, cross_replace: float = 1.0):
             output_type="latent",
         ).images
     return latents, edit
+
+
+def blended_edit(pipe, threshold: float):
+    return edited_latents(pipe, EditSettings(cross_replace=1.0, local_blend=True, blend_threshold=threshold))
 
 
 def test_local_blending_changes_only_where_the_changed_words_attend(pipe):
@@ -151,15 +154,7 @@ def test_local_blending_at_its_extremes_is_the_source_or_the_unblended_edit_to_t
     none, _ = blended_edit(pipe, 1.0)  # no cell passes its peak: the edit is the source
     assert torch.equal(none[1], none[0])
     everywhere, _ = blended_edit(pipe, 0.0)  # every cell has some attention: nothing is blended away
-    ids = [prompt_ids(pipe.tokenizer, p) for p in (SOURCE, EDITED)]
-    noise = torch.randn((1, 4, 32, 32), generator=torch.Generator().manual_seed(0))
-    with PromptEdit(pipe.unet, *ids, EditSettings(cross_replace=1.0), STEPS):
-        unblended = pipe(
-            [SOURCE, EDITED],
-            num_inference_steps=STEPS,
-            latents=noise.expand(2, 4, 32, 32).clone(),
-            output_type="latent",
-        ).images
+    unblended, _ = edited_latents(pipe, EditSettings(cross_replace=1.0))
     assert torch.equal(everywhere, unblended)
 
 

@@ -1081,14 +1081,13 @@ def load_optimizer(optimizer, tensors: dict, metadata: dict) -> None:
     optimizer.load_state_dict({"state": state, "param_groups": json.loads(metadata["param_groups"])})
 
 
-def load_checkpoint(path: Path, unet, ema, optimizer, fingerprint: str) -> tuple[int, list[dict], float]:
-    """(step, history, seconds of training so far) of the checkpoint, its state loaded into the rest."""
-    from safetensors import SafetensorError
+def read_checkpoint(path: Path, fingerprint: str, other_run: str) -> tuple[dict, dict]:
+    """(tensors, metadata) of a resume checkpoint, refused with one line when it cannot be read or
+    its fingerprint is not this run's (other_run says what another run's would differ in)."""
+    from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
 
     try:
-        from safetensors import safe_open
-
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata() or {}
         tensors = load_file(str(path))
@@ -1096,10 +1095,15 @@ def load_checkpoint(path: Path, unet, ema, optimizer, fingerprint: str) -> tuple
         raise SdkitError(f"{path}: cannot resume from this checkpoint ({e}); delete it to start over") from None
     if metadata.get("fingerprint") != fingerprint:
         raise SdkitError(
-            f"{path}: this checkpoint belongs to another run (other settings, model or text encoder, "
-            "or an older sdkit's checkpoint format); "
-            "delete it or choose another checkpoint folder"
+            f"{path}: this checkpoint belongs to {other_run}; delete it or choose another checkpoint folder"
         )
+    return tensors, metadata
+
+
+def load_checkpoint(path: Path, unet, ema, optimizer, fingerprint: str) -> tuple[int, list[dict], float]:
+    """(step, history, seconds of training so far) of the checkpoint, its state loaded into the rest."""
+    other = "another run (other settings, model or text encoder, or an older sdkit's checkpoint format)"
+    tensors, metadata = read_checkpoint(path, fingerprint, other)
     unet.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
     names = [n for n, _ in unet.named_parameters()]
     ema.shadow_params = [torch.cat([tensors[f"ema.{n}"].reshape(-1) for n in names])]

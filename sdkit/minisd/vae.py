@@ -161,22 +161,10 @@ def _save_checkpoint(path: Path, vae, optimizer, step: int, history: list, secon
 
 
 def _load_checkpoint(path: Path, vae, optimizer, fingerprint: str) -> tuple[int, list, float]:
-    from safetensors import SafetensorError, safe_open
-    from safetensors.torch import load_file
+    from .train import load_optimizer, read_checkpoint
 
-    from .train import load_optimizer
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            metadata = f.metadata() or {}
-        tensors = load_file(str(path))
-    except (SafetensorError, OSError) as e:
-        raise SdkitError(f"{path}: cannot resume from this checkpoint ({e}); delete it to start over") from None
-    if metadata.get("fingerprint") != fingerprint:
-        raise SdkitError(
-            f"{path}: this checkpoint belongs to another VAE run (other settings or starting weights); "
-            "delete it or choose another checkpoint folder"
-        )
+    other = "another VAE run (other settings or starting weights)"
+    tensors, metadata = read_checkpoint(path, fingerprint, other)
     vae.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
     load_optimizer(optimizer, tensors, metadata)
     return int(metadata["step"]), json.loads(metadata["history"]), float(metadata["seconds"])
