@@ -1,7 +1,7 @@
 """Prompt-to-Prompt judged on the mini SD's answer key: edited, kept and both, per edit set, at
 several cross_replace fractions (0 is plain same-seed regeneration of the edited prompt), with the
-source's self-attention or local blending too, and a reweighting dose-response on the colour word
-under the chosen setting.
+source's self-attention, local blending or the source's token states too, and a reweighting
+dose-response on the colour word under the chosen setting.
 
     python scripts/edit_study.py                 # writes weights/minisd/findings/editing.json and editing.png
     python scripts/edit_study.py --count 8 --out out/editing.json   # a quick look, elsewhere
@@ -20,6 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 FRACTIONS = (0.0, 0.4, 0.8, 1.0)  # 0: the edited prompt regenerated, no injection
 SELF = ((0.8, 0.2), (0.8, 0.4))  # (cross_replace, self_replace): P2P with the source's self-attention too
 BLEND = (0.4, 0.8, 1.0)  # cross_replace fractions of P2P with local blending on the words the edit changed
+STATES = ((1.0, 0.0), (0.8, 0.2))  # (cross_replace, self_replace) with the source's states for unchanged words
+KEYS = ("cross_replace", "self_replace", "local_blend", "source_states")  # what a row's setting is
 FACTORS = (0.0, 0.5, 1.0, 2.0, 3.0)
 TUNING_SEED, REPORT_SEED = 999, 1234
 
@@ -41,54 +43,49 @@ def main() -> int:
     out = Path(args.out or Path(args.model) / "findings" / "editing.json")
     pipe = MiniSDPipeline.from_pretrained(args.model, encoders_dir=ROOT / "weights" / "encoders")
     data = json.loads(out.read_text()) if out.is_file() else {}
-    if data and (data.get("count"), data.get("steps")) != (args.count, args.steps):
-        data = {}  # rows of another count or step number are another study: start over, never mix
+    rows = data.get("tuning", []) + data.get("rows", [])
+    if (data.get("count"), data.get("steps")) != (args.count, args.steps) or any(
+        k not in r for r in rows for k in (*KEYS, "source_right")
+    ):
+        data = {}  # rows of another count, step number or version of the study: start over, never mix
     data.update({"model": args.model, "count": args.count, "steps": args.steps, "guidance_scale": 4.0})
     data.setdefault("tuning", [])
     data.setdefault("rows", [])
     data.setdefault("reweight", [])
-    for row in data["tuning"] + data["rows"]:  # rows from before local blending had none
-        row.setdefault("local_blend", False)
-    # reported rows from before the split by the source's verdict are judged again (the tuning
-    # rows choose by "both" alone, which they hold)
-    data["rows"] = [row for row in data["rows"] if "source_right" in row]
-    for row in data["reweight"]:
-        row.setdefault("setting", [data["chosen_cross_replace"], data["chosen_self_replace"], False])
 
     def done(rows, **key):
         return any(all(r.get(k) == v for k, v in key.items()) for r in rows)
 
-    def run(rows, kind, fraction, seed, label, self_fraction=0.0, blend=False):
-        if done(rows, edit=kind, cross_replace=fraction, self_replace=self_fraction, local_blend=blend, seed=seed):
+    def run(rows, kind, setting, seed, label):
+        if done(rows, edit=kind, seed=seed, **dict(zip(KEYS, setting))):
             return
-        settings = EditSettings(cross_replace=fraction, self_replace=self_fraction, local_blend=blend)
-        row = study_row(pipe, kind, settings, args.count, args.steps, 4.0, seed, label)
+        row = study_row(pipe, kind, EditSettings(**dict(zip(KEYS, setting))), args.count, args.steps, 4.0, seed, label)
         rows.append(row)
         write_json(out, data)
+        fraction, self_fraction, blend, states = setting
         print(
-            f"{label:>8} {kind:>14} cross {fraction:.1f} self {self_fraction:.1f} blend {blend:d}: edited "
-            f"{row['edited']:.3f} kept {row['kept']:.3f} both {row['both']:.3f} ({row['seconds']:.0f} s)",
+            f"{label:>8} {kind:>14} cross {fraction:.1f} self {self_fraction:.1f} blend {blend:d} states {states:d}: "
+            f"edited {row['edited']:.3f} kept {row['kept']:.3f} both {row['both']:.3f} ({row['seconds']:.0f} s)",
             flush=True,
         )
 
     # The setting is chosen on the tuning captions' colour swaps (both sets), never on the reported ones.
-    settings = [(f, 0.0, False) for f in FRACTIONS[1:]] + [(c, s, False) for c, s in SELF]
-    settings += [(f, 0.0, True) for f in BLEND]
+    settings = [(f, 0.0, False, False) for f in FRACTIONS[1:]] + [(c, s, False, False) for c, s in SELF]
+    settings += [(f, 0.0, True, False) for f in BLEND] + [(c, s, False, True) for c, s in STATES]
     for kind in ("colour_single", "colour_pair"):
-        for fraction, self_fraction, blend in settings:
-            run(data["tuning"], kind, fraction, TUNING_SEED, "tuning", self_fraction, blend)
+        for setting in settings:
+            run(data["tuning"], kind, setting, TUNING_SEED, "tuning")
 
     def tuned(setting):
-        key = ("cross_replace", "self_replace", "local_blend")
-        both = [r["both"] for r in data["tuning"] if tuple(r[k] for k in key) == setting]
+        both = [r["both"] for r in data["tuning"] if tuple(r[k] for k in KEYS) == setting]
         return sum(both) / len(both)
 
-    chosen = max(settings, key=tuned)
-    data["chosen_cross_replace"], data["chosen_self_replace"], data["chosen_local_blend"] = chosen
+    chosen = max(settings, key=tuned)  # the first of equals: the plainest, in the order above
+    data.update({f"chosen_{k}": v for k, v in zip(KEYS, chosen)})
     write_json(out, data)
     for kind in EDITS:
-        for fraction, self_fraction, blend in [(0.0, 0.0, False), *settings]:
-            run(data["rows"], kind, fraction, REPORT_SEED, "report", self_fraction, blend)
+        for setting in [(0.0, 0.0, False, False), *settings]:
+            run(data["rows"], kind, setting, REPORT_SEED, "report")
 
     # Reweighting: the source prompt against itself, its colour word scaled; how often the colour shows
     scenes = [s for s, _ in edit_set("colour_single", args.count, seed=REPORT_SEED)]
@@ -99,7 +96,7 @@ def main() -> int:
         for colour in sorted({s.objects[0].colour for s in scenes}):
             group = [s for s in scenes if s.objects[0].colour == colour]
             prompts = [s.caption for s in group]
-            reweighted = EditSettings(*chosen[:2], reweight={colour: factor}, local_blend=chosen[2])
+            reweighted = EditSettings(**dict(zip(KEYS, chosen)), reweight={colour: factor})
             seeds = [scenes.index(s) for s in group]
             _, images = edit_images(pipe, prompts, prompts, reweighted, seeds, args.steps, 4.0)
             shown += [bool(judge(image, scene).colour) for image, scene in zip(images, group)]

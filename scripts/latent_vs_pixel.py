@@ -108,14 +108,24 @@ def main() -> None:
     )
     parser.add_argument("--maps-count", type=int, default=64, help="generator images the maps are scored on")
     parser.add_argument("--out", default="weights/minisd/findings/latent_vs_pixel.json")
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="keep the rows --out already holds for the same model folder and eval JSON (to add a run "
+        "without measuring the others again)",
+    )
     args = parser.parse_args()
-    rows = [
-        row(Path(args.pixel), Path(args.pixel_eval), args.maps_count),
-        row(Path(args.latent), Path(args.latent_eval), args.maps_count),
-    ]
-    runs = [
-        {"name": name, **row(Path(model), Path(evaluation), args.maps_count)} for name, model, evaluation in args.run
-    ]
+    held = json.loads(Path(args.out).read_text()) if args.reuse and Path(args.out).is_file() else {}
+    measured = {(r["model"], r.get("evaluation")): r for r in held.get("rows", []) + held.get("runs", [])}
+
+    def measure(folder: str, evaluation: str) -> dict:
+        kept = measured.get((folder, evaluation))
+        if kept is not None:
+            return {k: v for k, v in kept.items() if k != "name"}
+        return {**row(Path(folder), Path(evaluation), args.maps_count), "evaluation": evaluation}
+
+    rows = [measure(args.pixel, args.pixel_eval), measure(args.latent, args.latent_eval)]
+    runs = [{"name": name, **measure(model, evaluation)} for name, model, evaluation in args.run]
     note = "U-Net FLOPs of one sampling step with guidance (two passes)"
     write_json(args.out, {"rows": rows, "runs": runs, "note": note})
     print(json.dumps({"rows": rows, "runs": runs}, indent=1))

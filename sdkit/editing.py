@@ -45,6 +45,11 @@ class EditSettings:
     # blend_threshold of its peak left out; everywhere else it is the source, to the bit
     local_blend: bool = False
     blend_threshold: float = 0.3
+    # The edited prompt's unchanged tokens read the source's token states (keys and values), at every
+    # step. CLIP, SD's encoder, is causal: a swapped word changes its own state and those after it.
+    # A bidirectional encoder (the mini SD's MiniLM) changes every token's, so the unchanged words'
+    # values, which P2P's injected maps then mix, are no longer the source's. Not in P2P; off by default.
+    source_states: bool = False
 
     def check(self) -> None:
         for name in ("cross_replace", "self_replace", "blend_threshold"):
@@ -64,6 +69,8 @@ class EditSettings:
         parts += [f"{word} x{factor:g}" for word, factor in self.reweight.items()]
         if self.local_blend:
             parts.append(f"blended where the changed words attend (> {self.blend_threshold:g} of peak)")
+        if self.source_states:
+            parts.append("unchanged words' states from the source")
         return ", ".join(parts)
 
 
@@ -95,6 +102,24 @@ class EditProcessor:
         cells = hidden_states.shape[-2] * hidden_states.shape[-1] if hidden_states.ndim == 4 else hidden_states.shape[1]
         if not self.edit.acts(self.cross, cells):
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, temb, *args, **kwargs)
+        if not self.edit.cfg:
+            return self._edited_attention(attn, hidden_states, encoder_hidden_states, attention_mask, temb)
+        # Only the conditional half is edited: the unconditional half runs the layer's own
+        # (fused) processor, so an edit pays for explicit weights on half the batch.
+        half = len(hidden_states) // 2
+
+        def split(tensor):
+            same = tensor is not None and tensor.ndim and len(tensor) == len(hidden_states)
+            return (tensor[:half], tensor[half:]) if same else (tensor, tensor)
+
+        (h0, h1), (e0, e1), (m0, m1), (t0, t1) = map(
+            split, (hidden_states, encoder_hidden_states, attention_mask, temb)
+        )
+        unconditional = self.original(attn, h0, e0, m0, t0, *args, **kwargs)
+        return torch.cat([unconditional, self._edited_attention(attn, h1, e1, m1, t1)])
+
+    def _edited_attention(self, attn, hidden_states, encoder_hidden_states, attention_mask, temb):
+        """diffusers' AttnProcessor on the (source, edited) branches, their weights edited."""
         residual = hidden_states
         if attn.spatial_norm is not None:
             hidden_states = attn.spatial_norm(hidden_states, temb)
@@ -158,6 +183,13 @@ class PromptEdit:
         self.unet, self.settings, self.steps, self.one = unet, settings, steps, one
         self.pairs = len(sources)
         self.mapper = torch.tensor([align(a, b) for a, b in zip(sources, edits)])  # (pairs, tokens)
+        # tokens the edit left as they were: aligned to a source token of the same id
+        self.unchanged = torch.tensor(
+            [
+                [m >= 0 and a[m] == t for m, t in zip(mapper, b)]
+                for mapper, a, b in zip(self.mapper.tolist(), sources, edits)
+            ]
+        )
         self.equalizer = torch.ones(self.mapper.shape)
         for pair, words in enumerate(reweights):
             for positions, factor in words.values():
@@ -218,6 +250,22 @@ class PromptEdit:
         self.cfg = len(sample) == 4 * self.pairs
         self.grid = tuple(sample.shape[-2:])
         self.step += 1
+        if not self.settings.source_states:
+            return None
+        if "encoder_hidden_states" in kwargs:
+            return args, {**kwargs, "encoder_hidden_states": self._source_states(kwargs["encoder_hidden_states"])}
+        return (*args[:2], self._source_states(args[2]), *args[3:]), kwargs
+
+    def _source_states(self, states: torch.Tensor) -> torch.Tensor:
+        """The conditional edited prompts' unchanged tokens given the source's states."""
+        states = states.clone()
+        first = 2 * self.pairs if self.cfg else 0
+        sources = torch.arange(first, first + 2 * self.pairs, 2, device=states.device)
+        mapper = self.mapper.to(states.device).clamp_min(0)[..., None].expand(-1, -1, states.shape[-1])
+        from_source = torch.gather(states[sources], 1, mapper)
+        unchanged = self.unchanged.to(states.device)[..., None]
+        states[sources + 1] = torch.where(unchanged, from_source, states[sources + 1])
+        return states
 
     def acts(self, cross: bool, cells: int) -> bool:
         """Whether this call of a layer has anything to edit (or, blending, any map to read)."""
@@ -261,11 +309,10 @@ class PromptEdit:
         return output
 
     def edited(self, name: str, probs: torch.Tensor, heads: int, cross: bool) -> torch.Tensor:
-        """The weights (batch * heads, cells, tokens) with the conditional edited branches' replaced."""
+        """The conditional weights (batch * heads, cells, tokens), the edited branches' replaced."""
         batch = probs.shape[0] // heads
         probs = probs.view(batch, heads, *probs.shape[1:])  # a fresh tensor of this call: edited in place
-        first = 2 * self.pairs if self.cfg else 0
-        sources = torch.arange(first, first + 2 * self.pairs, 2, device=probs.device)
+        sources = torch.arange(0, 2 * self.pairs, 2, device=probs.device)  # the conditional batch
         edits = sources + 1
         if cross and self.step < self.cross_steps:
             mapper = self.mapper.to(probs.device)  # (pairs, tokens)

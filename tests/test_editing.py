@@ -165,6 +165,40 @@ def test_local_blending_needs_a_changed_or_reweighted_word(pipe):
     assert not np.array_equal(louder[0], louder[1])
 
 
+def test_source_states_give_the_unchanged_words_the_sources_states(pipe):
+    """With source_states, the U-Net's conditional edited rows are the source's at every token the
+    edit left alone and the edited prompt's own at the swapped one; the unconditional rows and the
+    source are untouched."""
+    ids = [prompt_ids(pipe.tokenizer, p) for p in (SOURCE, EDITED)]
+    seen = []
+    with PromptEdit(pipe.unet, *ids, EditSettings(cross_replace=0.0, source_states=True), STEPS):
+        hook = pipe.unet.register_forward_pre_hook(
+            lambda m, a, kw: seen.append(kw["encoder_hidden_states"].clone()), with_kwargs=True
+        )
+        try:
+            pipe([SOURCE, EDITED], num_inference_steps=STEPS)
+        finally:
+            hook.remove()
+    own, _ = pipe.encode_prompt([SOURCE, EDITED], "cpu", 1, True, ["", ""])
+    (changed,) = [p for p, (a, b) in enumerate(zip(*ids)) if a != b]
+    for states in seen:  # (unconditional source, unconditional edited, source, edited)
+        assert torch.equal(states[2], own[0])
+        assert torch.equal(states[3, changed], own[1, changed])
+        kept = [p for p in range(len(ids[0])) if p != changed]
+        assert torch.equal(states[3, kept], own[0, kept])
+        assert not torch.equal(own[1, kept], own[0, kept])  # the tiny CLIP's later tokens see the swap
+    plain_edit = edit_sd(pipe, SOURCE, EDITED, EditSettings(cross_replace=0.0), STEPS, output_type="np")
+    mixed = edit_sd(pipe, SOURCE, EDITED, EditSettings(cross_replace=0.0, source_states=True), STEPS, output_type="np")
+    assert np.array_equal(mixed[0], plain_edit[0]) and not np.array_equal(mixed[1], plain_edit[1])
+
+
+def test_the_source_branch_of_an_edit_is_the_plain_source(pipe):
+    """The edit reads the source and never writes it: its image is the plain call's (the edited
+    layers compute the conditional half's weights explicitly, so to float tolerance)."""
+    edited = edit_sd(pipe, SOURCE, EDITED, EditSettings(cross_replace=1.0, self_replace=0.5), STEPS, output_type="np")
+    assert np.allclose(edited[0], plain(pipe, [SOURCE, EDITED])[0], atol=1e-5)
+
+
 # --- on the mini SD: edit sets, the judge of an edit, the command ------------------------------------
 
 

@@ -131,8 +131,8 @@ def test_latent_training_refuses_what_a_stock_pipeline_cannot_carry(bert, micro_
     from sdkit.minisd.pipeline import load_vae
 
     vae = load_vae(micro_vae[0])
-    with pytest.raises(SdkitError, match="place embeddings"):
-        TrainSettings(space="latents", place_embeddings=True).check()
+    with pytest.raises(SdkitError, match="no coordinate channels"):
+        TrainSettings(space="latents", coordinates=True).check()
     settings = TrainSettings(steps=1, batch_size=2, image_size=32, space="latents", place_embeddings=False)
     with pytest.raises(SdkitError, match="for_stock_pipeline"):
         train(tmp_path / "a", bert, settings, micro_latent_unet(bert.width), progress=False, vae=vae)
@@ -147,6 +147,34 @@ def test_latent_training_refuses_what_a_stock_pipeline_cannot_carry(bert, micro_
         )
     with pytest.raises(SdkitError, match="a VAE is for space 'latents'"):
         train(tmp_path / "c", bert, TrainSettings(steps=1, batch_size=2), progress=False, vae=vae)
+
+
+def test_latent_place_embeddings_are_an_sdkit_folder_a_stock_pipeline_cannot_load(bert, micro_vae, tmp_path):
+    """The ablation's latent row with place embeddings: sdkit samples it with them; diffusers would
+    sample it without them, so the folder has no model_index.json and stock_pipeline refuses."""
+    from diffusers import StableDiffusionPipeline
+
+    from sdkit.minisd.pipeline import load_vae
+
+    settings = TrainSettings(
+        steps=2, batch_size=4, warmup_steps=1, image_size=32, space="latents", place_embeddings=True, compile=False
+    )
+    out = tmp_path / "model"
+    encoder = for_stock_pipeline(bert, settings.context_length)
+    train(out, encoder, settings, micro_latent_unet(bert.width), progress=False, vae=load_vae(micro_vae[0]))
+    assert not (out / "model_index.json").exists() and (out / "vae" / "config.json").is_file()
+    with pytest.raises(Exception, match="model_index.json"):
+        StableDiffusionPipeline.from_pretrained(out)
+    pipe = MiniSDPipeline.from_pretrained(out)
+    assert pipe.spec.place_embeddings and pipe.spec.space == "latents"
+    with pytest.raises(SdkitError, match="place embeddings"):
+        pipe.stock_pipeline()
+    prompt = "a red circle at the top left"
+    with_places = pipe([prompt], num_inference_steps=2, seeds=[3]).images
+    for block in pipe.unet.modules():  # the same weights without the embeddings draw another image
+        if getattr(block, "pos_embed", None) is not None:
+            block.pos_embed = None
+    assert not np.array_equal(with_places, pipe([prompt], num_inference_steps=2, seeds=[3]).images)
 
 
 def test_a_latent_spec_with_a_pixel_unet_is_refused(latent_minisd, micro_minisd):

@@ -543,6 +543,9 @@ EDIT_NAMES = {
 }  # sdkit.minisd.edit.EDIT_NAMES, named without importing torch
 
 
+SETTING_KEYS = ("cross_replace", "self_replace", "local_blend", "source_states")  # what an edit study row varies
+
+
 def editing_table() -> str:
     """Prompt-to-Prompt on the reported captions: each edit set at each cross_replace fraction (0:
     the edited prompt regenerated from the same seed, no injection)."""
@@ -558,8 +561,9 @@ def editing_table() -> str:
             setting += f", self_replace {row['self_replace']:g}"
         if row["local_blend"]:
             setting += ", local blend"
-        chosen = (data["chosen_cross_replace"], data["chosen_self_replace"], data["chosen_local_blend"])
-        if (row["cross_replace"], row["self_replace"], row["local_blend"]) == chosen:
+        if row.get("source_states"):
+            setting += ", source states"
+        if [row[k] for k in SETTING_KEYS] == [data[f"chosen_{k}"] for k in SETTING_KEYS]:
             setting += " (chosen)"
         rows.append(
             [
@@ -580,7 +584,7 @@ def editing_table() -> str:
 
 def editing_reweight_table() -> str:
     data = load("editing")
-    chosen = [data["chosen_cross_replace"], data["chosen_self_replace"], data["chosen_local_blend"]]
+    chosen = [data[f"chosen_{k}"] for k in SETTING_KEYS]
     rows = [
         [f"x{row['factor']:g}", pct(row["colour_shown"]), row["count"]]
         for row in data["reweight"]

@@ -97,6 +97,7 @@ def cmd_minisd_train(args) -> None:
         phase(f"loading the VAE {args.vae}")
         vae = load_vae(args.vae)
         # a latent mini SD: its image side is the VAE's, and a stock pipeline has no place embeddings
+        # (asked for, they make the ablation's sdkit-only folder)
         settings = replace(
             settings,
             space="latents",
@@ -385,6 +386,7 @@ def cmd_minisd_edit(args) -> None:
         reweight=args.reweight or {},
         local_blend=args.local_blend,
         blend_threshold=args.blend_threshold,
+        source_states=args.source_states,
     )
     settings.check()
     if not args.local_blend:
@@ -415,6 +417,7 @@ def cmd_minisd_edit(args) -> None:
             "reweight": settings.reweight,
             "local_blend": settings.local_blend,
             "blend_threshold": settings.blend_threshold if settings.local_blend else None,
+            "source_states": settings.source_states,
             "steps": args.steps,
             "guidance_scale": args.guidance,
             "picture": args.out,
@@ -605,7 +608,8 @@ def register(sub) -> None:
         metavar="DIR",
         help="train a latent mini SD on this VAE's latents (a folder `sdkit minisd vae` wrote, or a pipeline "
         "folder's vae/): the model is then a stock diffusers StableDiffusionPipeline folder, its image size "
-        "the VAE's, with no place embeddings",
+        "the VAE's, with no place embeddings (given --place-embeddings, an sdkit-only folder: a stock "
+        "pipeline would sample it without them)",
     )
     q.add_argument("--cache", type=cache_folder, default=CACHE_DEFAULT, help=CACHE_HELP)
     encoder_options(q)
@@ -676,6 +680,12 @@ def register(sub) -> None:
         type=nonnegative_float,
         default=0.3,
         help="--local-blend: the share of the words' peak attention a cell needs to be changed",
+    )
+    q.add_argument(
+        "--source-states",
+        action="store_true",
+        help="the edited prompt's unchanged words read the source's token states (for a bidirectional text "
+        "encoder such as the mini SD's, whose every state a swapped word changes; not in P2P)",
     )
     q.add_argument(
         "--seeds", type=at_most(256, "a picture holds 256 rows"), default=4, help="edits (seeds first-seed, +1, ...)"

@@ -194,6 +194,7 @@ def study_row(
         "self_replace": settings.self_replace,
         "reweight": settings.reweight,
         "local_blend": settings.local_blend,
+        "source_states": settings.source_states,
         "seed": seed,
         "seconds": time.perf_counter() - start,
         **rates(judged),

@@ -106,12 +106,10 @@ class MiniSDSpec:
             return f"image_size must be a whole number of pixels from 12 to {MAX_IMAGE_SIZE}, not {self.image_size!r}"
         if self.space not in SPACES:
             return f"space must be one of {', '.join(SPACES)}, not {self.space!r}"
-        if self.space == "latents" and (
-            self.image_size % LATENT_DOWNSCALE or self.coordinates or self.place_embeddings
-        ):
+        if self.space == "latents" and (self.image_size % LATENT_DOWNSCALE or self.coordinates):
             return (
                 f"a latent mini SD's image_size is a multiple of {LATENT_DOWNSCALE}, and it has no coordinate "
-                "channels or place embeddings (a stock StableDiffusionPipeline could not carry them)"
+                "channels (a stock StableDiffusionPipeline could not feed them)"
             )
         if not isinstance(self.training, dict):
             return "training must be an object"
@@ -341,7 +339,10 @@ class MiniSDPipeline:
     def save_pretrained(self, folder: str | os.PathLike) -> None:
         """A pixel mini SD: unet/, scheduler/ and minisd.json. A latent one: a stock diffusers
         StableDiffusionPipeline folder (model_index.json, unet/, vae/, text_encoder/, tokenizer/,
-        scheduler/ with DDIM, no safety checker) with minisd.json beside."""
+        scheduler/ with DDIM, no safety checker) with minisd.json beside.
+
+        A latent one with place embeddings (the ablation's) is written without model_index.json:
+        diffusers would load it and sample without the embeddings, silently another model."""
         from diffusers import DDIMScheduler, DDPMScheduler
 
         with atomic_folder(folder, MODEL_FOLDER) as tmp:  # a crash leaves the old model (or none), never half of one
@@ -349,7 +350,9 @@ class MiniSDPipeline:
                 # steps_offset 1, or diffusers' pipeline rewrites it with a deprecation notice at
                 # each load; under "trailing" spacing (every mini SD's) DDIM does not read it
                 scheduler = DDIMScheduler.from_config({**self.scheduler_config, "steps_offset": 1})
-                self.stock_pipeline(scheduler).save_pretrained(tmp)
+                self._diffusers_pipeline(scheduler).save_pretrained(tmp)
+                if self.spec.place_embeddings:
+                    (tmp / "model_index.json").unlink()
             else:
                 self.unet.save_pretrained(tmp / "unet")
                 DDPMScheduler.from_config(self.scheduler_config).save_pretrained(tmp / "scheduler")
@@ -357,6 +360,14 @@ class MiniSDPipeline:
 
     def stock_pipeline(self, scheduler=None):
         """This latent mini SD as diffusers' own StableDiffusionPipeline (the same modules, shared)."""
+        if self.spec.place_embeddings:
+            raise SdkitError(
+                "this latent mini SD has place embeddings, which a stock StableDiffusionPipeline saves and "
+                "loads without: sample it with MiniSDPipeline"
+            )
+        return self._diffusers_pipeline(scheduler)
+
+    def _diffusers_pipeline(self, scheduler=None):
         from diffusers import DDIMScheduler, StableDiffusionPipeline
 
         if self.spec.space != "latents" or self.encoder is None:

@@ -182,10 +182,10 @@ class TrainSettings:
             raise SdkitError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
         if self.space not in SPACES:
             raise SdkitError(f"unknown space {self.space!r}; choose one of {', '.join(SPACES)}")
-        if self.space == "latents" and (self.coordinates or self.place_embeddings):
+        if self.space == "latents" and self.coordinates:
             raise SdkitError(
-                "a latent mini SD is a stock StableDiffusionPipeline, which has no coordinate channels or "
-                "place embeddings: turn them off"
+                "a latent mini SD is a stock StableDiffusionPipeline, whose pipeline feeds the U-Net the "
+                "latents alone: no coordinate channels"
             )
 
 
