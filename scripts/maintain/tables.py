@@ -651,7 +651,8 @@ def latent_vs_pixel_table() -> str:
 
 
 def latent_runs_table() -> str:
-    """The latent U-Net's training runs (none with place embeddings: a stock pipeline has none)."""
+    """The latent U-Net's training runs (those with place embeddings are the ablation's sdkit-only
+    folders: a stock pipeline has none)."""
     rows = []
     for run in load("latent_vs_pixel")["runs"]:
         judged = run["judged"]
