@@ -1,15 +1,15 @@
 """What a Prompt-to-Prompt edit costs against one plain image, measured side by side on the mini SD.
 
-    python scripts/bench_edit.py            # 16 prompts, DDIM 25 steps, guidance 4, 5 rounds
+    python scripts/bench_edit.py            # 16 prompts, DDIM 25 steps, guidance 4, 7 rounds
 
 An edit samples two branches (source and edited) in one batch, so the target is at most 2.2x the
 time of a plain image. Each round times the same 16 plain images (one call: a U-Net batch of 32
 with guidance), then 16 edits and 16 edits with local blending, each in two calls of 8 pairs (the
 same U-Net batch of 32), and the 32 images of both prompts sampled plainly, in two calls of 16
 (what an edit's two branches cost with no editing) and in one call (a batch of 64: what the
-batch's size costs on its own). Each kind's fastest round is its time (the
-machine's neighbours only ever add time, and a round-by-round ratio moved 1.4-2.4x on a noisy
-afternoon); each round's own ratios are printed too.
+batch's size costs on its own). Each kind's fastest round is its time (the machine's neighbours
+only ever add time, and one round's ratio moved from 1.4x to 2.6x on a noisy day); each round's
+own ratios are printed too.
 """
 
 import sys

@@ -3,7 +3,7 @@ several cross_replace fractions (0 is plain same-seed regeneration of the edited
 source's self-attention, local blending or the source's token states too, and a reweighting
 dose-response on the colour word under the chosen setting.
 
-    python scripts/edit_study.py                 # writes weights/minisd/findings/editing.json and editing.png
+    python scripts/edit_study.py                 # writes weights/minisd/findings/editing.json
     python scripts/edit_study.py --count 8 --out out/editing.json   # a quick look, elsewhere
 
 The fraction to recommend is chosen on captions of another seed (the tuning set) than the ones

@@ -199,6 +199,34 @@ def test_the_source_branch_of_an_edit_is_the_plain_source(pipe):
     assert np.allclose(edited[0], plain(pipe, [SOURCE, EDITED])[0], atol=1e-5)
 
 
+def test_an_edit_runs_the_unconditional_half_through_the_layers_own_processor(pipe):
+    """With guidance, an edited layer hands the unconditional half (2 of the batch of 4) to the
+    layer's own processor and edits the conditional half itself; a layer with nothing to edit
+    gets the whole batch."""
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    class Counting(AttnProcessor2_0):
+        def __init__(self):
+            super().__init__()
+            self.batches = []
+
+        def __call__(self, attn, hidden_states, *args, **kwargs):
+            self.batches.append(len(hidden_states))
+            return super().__call__(attn, hidden_states, *args, **kwargs)
+
+    own = pipe.unet.attn_processors
+    counting = {name: Counting() for name in own}
+    pipe.unet.set_attn_processor(dict(counting))
+    try:
+        edit_sd(pipe, SOURCE, EDITED, EditSettings(cross_replace=0.5), 4, output_type="np")
+    finally:
+        pipe.unet.set_attn_processor(dict(own))
+    for name, processor in counting.items():
+        # cross-attention is edited in the first 2 of 4 steps; self-attention never (self_replace 0)
+        edited = name.endswith("attn2.processor")
+        assert processor.batches == ([2, 2, 4, 4] if edited else [4, 4, 4, 4]), name
+
+
 # --- on the mini SD: edit sets, the judge of an edit, the command ------------------------------------
 
 
