@@ -99,6 +99,20 @@ def test_round_trips_are_judged_against_the_originals(micro_vae):
         assert 0 <= row["round_trips"]["all"] <= 1 and np.isfinite(row["psnr_db"])
 
 
+def test_latent_separation_is_measured_in_the_latents_the_u_net_reads():
+    from sdkit.minisd.vae import build_vae, latent_separation
+
+    vae = build_vae({**MICRO_VAE, "sample_size": 128}).eval()
+    apart = latent_separation(vae)
+    assert len(apart["colours"]) == 15 and len(apart["shapes"]) == 3
+    assert min(apart["colours"].values()) > 0 and min(apart["shapes"].values()) > 0
+    vae.register_to_config(scaling_factor=2.0)  # the U-Net reads the scaled latents: twice as far apart
+    doubled = latent_separation(vae)
+    assert doubled["colours"] == pytest.approx({k: 2 * v for k, v in apart["colours"].items()}, rel=1e-5)
+    torch.nn.init.zeros_(vae.quant_conv.weight)  # an encoder blind to its input puts everything in one place
+    assert max(latent_separation(vae)["colours"].values()) == 0
+
+
 def test_a_latent_mini_sd_is_a_stock_pipeline_that_samples_as_sdkit_does(latent_minisd):
     from diffusers import StableDiffusionPipeline
 
@@ -192,14 +206,22 @@ def test_cli_trains_and_judges_a_vae(cli, micro_vae, tmp_path):
     assert set(judged["round_trips"]) == {"singles", "pairs"} and judged["training_seconds"] > 0
     out_dir = tmp_path / "vae"
     code, out, err = cli(
-        "minisd", "vae", "--out", out_dir, "--steps", "1", "--batch-size", "2", "--count", "2", "--json"
-    )
+        "minisd", "vae", "--out", out_dir, "--steps", "1", "--batch-size", "2", "--kl-weight", "0.01", "--count", "2",
+        "--json",
+    )  # fmt: skip
     assert code == 0, err
     trained = json.loads(out)
-    assert trained["settings"]["steps"] == 1 and trained["scaling_factor"] > 0
+    assert trained["settings"]["steps"] == 1 and trained["settings"]["kl_weight"] == 0.01
+    assert set(trained["latent_separation"]["shapes"]) == {"circle-square", "circle-triangle", "square-triangle"}
+    assert trained["scaling_factor"] > 0
     assert json.loads((out_dir / "config.json").read_text())["scaling_factor"] == trained["scaling_factor"]
     code, out, err = cli("minisd", "vae", "--judge", micro_vae[0], "--steps", "3")
     assert code == 2 and "--steps does not apply with --judge" in err
+    # a frozen encoder's KL term moves nothing: a weight given for it would be silently ignored
+    code, out, err = cli(
+        "minisd", "vae", "--start-from", micro_vae[0], "--decoder-only", "--kl-weight", "0.01", "--out", tmp_path / "d"
+    )
+    assert code == 2 and "--kl-weight does not apply with --decoder-only" in err and not (tmp_path / "d").exists()
 
 
 def test_a_fine_tuned_decoder_goes_in_and_another_vae_is_refused(latent_minisd, micro_vae, tmp_path):

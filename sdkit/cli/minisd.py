@@ -161,12 +161,12 @@ def vae_training_record(folder: str) -> dict | None:
 
 def cmd_minisd_vae(args) -> None:
     from ..minisd.pipeline import load_vae
-    from ..minisd.vae import VAESettings, format_round_trips, judge_round_trips, train_vae
+    from ..minisd.vae import VAESettings, format_round_trips, judge_round_trips, latent_separation, train_vae
 
     if args.judge:
         refuse_options(
             args,
-            ("out", "steps", "batch_size", "lr", "seed", "checkpoints", "start_from", "decoder_only"),
+            ("out", "steps", "batch_size", "lr", "kl_weight", "seed", "checkpoints", "start_from", "decoder_only"),
             "with --judge",
         )
         check_input(args.judge, "--judge")
@@ -177,10 +177,17 @@ def cmd_minisd_vae(args) -> None:
             check_input(args.into, "--into")
         if args.decoder_only and not args.start_from:
             raise SdkitError("--decoder-only fine-tunes a trained VAE's decoder: give it with --start-from DIR")
+        if args.decoder_only:
+            refuse_options(args, ("kl_weight",), "with --decoder-only (the KL term is the frozen encoder's)")
         if args.start_from:
             check_input(args.start_from, "--start-from")
         settings = VAESettings(
-            steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed, decoder_only=args.decoder_only
+            steps=args.steps,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            kl_weight=args.kl_weight,
+            seed=args.seed,
+            decoder_only=args.decoder_only,
         )
         settings.check()
         phase("fine-tuning the VAE's decoder" if args.decoder_only else "training the VAE")
@@ -190,7 +197,7 @@ def cmd_minisd_vae(args) -> None:
         vae = load_vae(args.out)
     phase(f"judging {args.count} round trips per set")
     judged = judge_round_trips(vae, args.count)
-    result = {"vae": args.judge or args.out, "round_trips": judged}
+    result = {"vae": args.judge or args.out, "round_trips": judged, "latent_separation": latent_separation(vae)}
     if trained is not None:
         result.update(
             seconds=round(trained.seconds, 1), scaling_factor=trained.scaling_factor, settings=trained.settings
@@ -622,6 +629,12 @@ def register(sub) -> None:
     q.add_argument("--steps", type=positive_int, default=1500, help="optimizer steps")
     q.add_argument("--batch-size", type=positive_int, default=16, help="images per step")
     q.add_argument("--lr", type=positive_float, default=1e-3, help="peak learning rate")
+    q.add_argument(
+        "--kl-weight",
+        type=nonnegative_float,
+        default=1e-6,
+        help="weight of the KL term beside the L1 summed per image (SD's 1e-6 leaves the latents unregularised)",
+    )
     q.add_argument("--seed", type=seed, default=0, help="seed of the data stream and initialisation")
     q.add_argument("--count", type=positive_int, default=64, help="judged round trips per set (singles, pairs)")
     q.add_argument("--checkpoints", metavar="DIR", help="write (and resume from) a checkpoint here")
