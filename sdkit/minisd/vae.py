@@ -340,12 +340,15 @@ def latent_separation(vae) -> dict:
     from .data import COLOURS, SHAPES, render, single_scene
 
     side = vae.config.sample_size
-    cells = side // 8  # three halvings
+    cell = 2 ** (len(vae.config.block_out_channels) - 1)  # a halving per level after the first
+    cells = side // cell
 
     def encoded(colour: str, shape: str) -> tuple[torch.Tensor, torch.Tensor]:
         sample = render(single_scene(colour, shape, "center"), side)
         latents = vae.encode(torch.from_numpy(to_model(sample.image))[None]).latent_dist.mean[0]
-        coverage = torch.from_numpy(sample.masks[0].astype(np.float32)).reshape(cells, 8, cells, 8).mean(dim=(1, 3))
+        coverage = (
+            torch.from_numpy(sample.masks[0].astype(np.float32)).reshape(cells, cell, cells, cell).mean(dim=(1, 3))
+        )
         return latents * vae.config.scaling_factor, coverage
 
     def distances(codes: dict, where) -> dict:
