@@ -387,3 +387,39 @@ def test_the_order_studies_read_a_latent_model_on_its_decoded_pixels(latent_mini
     assert against.pairs > 0 and all(len(shares) == 2 for shares in against.shares.values())
     by_step = relation_by_step(pipe, count=6, steps=2)
     assert len(by_step.timesteps) == 2 and all(0 <= s <= 1 for v in by_step.shares.values() for s in v)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-fp32-ends"])
+def test_the_frozen_vae_encodes_in_the_runs_precision(bert, micro_vae, tmp_path, monkeypatch, precision):
+    """Under bf16 the VAE's encodes run in bfloat16 autocast (as diffusers' script casts the VAE to
+    the weight dtype); in fp32 they stay float32, so fp32 runs' latents are unchanged."""
+    from sdkit.minisd import train as training
+    from sdkit.minisd.pipeline import load_vae
+
+    seen = []
+    encode = training.encode_latents
+
+    def recording(vae, pixels, generator):
+        seen.append(torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16)
+        return encode(vae, pixels, generator)
+
+    monkeypatch.setattr(training, "encode_latents", recording)
+    settings = TrainSettings(
+        steps=2,
+        batch_size=2,
+        warmup_steps=1,
+        image_size=32,
+        space="latents",
+        place_embeddings=False,
+        compile=False,
+        precision=precision,
+    )
+    train(
+        tmp_path / "m",
+        for_stock_pipeline(bert, 24),
+        settings,
+        micro_latent_unet(bert.width),
+        progress=False,
+        vae=load_vae(micro_vae[0]),
+    )
+    assert seen == [precision != "fp32"] * 2
