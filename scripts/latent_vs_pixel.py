@@ -12,6 +12,7 @@ table in docs/latent.md.
 """
 
 import argparse
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -48,6 +49,14 @@ def maps_by_grid(folder: Path, count: int) -> list[dict]:
             }
         )
     return out
+
+
+def content_fingerprint(folder: Path, eval_path: Path) -> str:
+    """What a row was measured on: the U-Net's and VAE's weights and the eval JSON, by their bytes."""
+    digest = hashlib.sha256()
+    for path in sorted(folder.glob("*/*.safetensors")) + [eval_path]:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def row(folder: Path, eval_path: Path, maps_count: int) -> dict:
@@ -111,18 +120,21 @@ def main() -> None:
     parser.add_argument(
         "--reuse",
         action="store_true",
-        help="keep the rows --out already holds for the same model folder and eval JSON (to add a run "
+        help="keep the rows --out already holds for the same U-Net weights and eval JSON (to add a run "
         "without measuring the others again)",
     )
     args = parser.parse_args()
     held = json.loads(Path(args.out).read_text()) if args.reuse and Path(args.out).is_file() else {}
-    measured = {(r["model"], r.get("evaluation")): r for r in held.get("rows", []) + held.get("runs", [])}
+    measured = {r.get("fingerprint"): r for r in held.get("rows", []) + held.get("runs", [])}
 
     def measure(folder: str, evaluation: str) -> dict:
-        kept = measured.get((folder, evaluation))
-        if kept is not None:
+        # by content, not by path: a model shipped anew keeps its folder's and its eval's names
+        fingerprint = content_fingerprint(Path(folder), Path(evaluation))
+        kept = measured.get(fingerprint)
+        if kept is not None and (kept["model"], kept["evaluation"]) == (folder, evaluation):
             return {k: v for k, v in kept.items() if k != "name"}
-        return {**row(Path(folder), Path(evaluation), args.maps_count), "evaluation": evaluation}
+        measured_now = row(Path(folder), Path(evaluation), args.maps_count)
+        return {**measured_now, "evaluation": evaluation, "fingerprint": fingerprint}
 
     rows = [measure(args.pixel, args.pixel_eval), measure(args.latent, args.latent_eval)]
     runs = [{"name": name, **measure(model, evaluation)} for name, model, evaluation in args.run]
