@@ -53,11 +53,15 @@ def cmd_minisd(args) -> None:
     args.minisd_func(args)
 
 
-def train_settings(args):
-    """TrainSettings from `sdkit minisd train`'s options (their defaults are TrainSettings' own: a test)."""
-    from ..minisd.train import TrainSettings
+def train_settings(args, vae=None):
+    """TrainSettings from `sdkit minisd train`'s options (their defaults are TrainSettings' own: a test).
 
-    return TrainSettings(
+    Given the VAE of --vae, a latent mini SD's: its image side is the VAE's, a stock pipeline has no
+    place embeddings (asked for, they make the ablation's sdkit-only folder), and it trains
+    LATENT_STEPS unless --steps says otherwise."""
+    from ..minisd.train import LATENT_STEPS, TrainSettings
+
+    settings = TrainSettings(
         steps=args.steps,
         batch_size=args.batch_size,
         lr=args.lr,
@@ -79,6 +83,15 @@ def train_settings(args):
         precision=args.precision,
         compile=not args.no_compile,
     )
+    if vae is None:
+        return settings
+    return replace(
+        settings,
+        space="latents",
+        steps=settings.steps if "steps" in args.given else LATENT_STEPS,
+        image_size=settings.image_size if "image_size" in args.given else vae.config.sample_size,
+        place_embeddings=settings.place_embeddings if "place_embeddings" in args.given else False,
+    )
 
 
 def cmd_minisd_train(args) -> None:
@@ -88,7 +101,6 @@ def cmd_minisd_train(args) -> None:
     from ..encoders import for_stock_pipeline, load_text_encoder
     from ..minisd.train import train
 
-    settings = train_settings(args)
     vae = None
     if args.vae:
         from ..minisd.pipeline import load_vae
@@ -96,14 +108,7 @@ def cmd_minisd_train(args) -> None:
         check_input(args.vae, "--vae")
         phase(f"loading the VAE {args.vae}")
         vae = load_vae(args.vae)
-        # a latent mini SD: its image side is the VAE's, and a stock pipeline has no place embeddings
-        # (asked for, they make the ablation's sdkit-only folder)
-        settings = replace(
-            settings,
-            space="latents",
-            image_size=settings.image_size if "image_size" in args.given else vae.config.sample_size,
-            place_embeddings=settings.place_embeddings if "place_embeddings" in args.given else False,
-        )
+    settings = train_settings(args, vae)
     settings.check()
     folder = args.text_encoder or os.path.join(args.encoders_dir, "all-MiniLM-L6-v2")
     check_input(folder, "the text encoder; python scripts/get_real_encoders.py puts it in weights/encoders")
@@ -500,7 +505,7 @@ def register(sub) -> None:
         help="save the model folder here: a new or empty folder, or a mini SD folder, whose model is "
         "replaced (other files in it are kept); the shipped model is weights/minisd",
     )
-    q.add_argument("--steps", type=positive_int, default=3600, help="optimizer steps")
+    q.add_argument("--steps", type=positive_int, default=3600, help="optimizer steps; 5000 with --vae")
     q.add_argument("--batch-size", type=positive_int, default=32, help="images per step")
     q.add_argument("--lr", type=positive_float, default=1e-3, help="peak learning rate")
     q.add_argument(
