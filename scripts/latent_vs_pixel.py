@@ -120,7 +120,7 @@ def main() -> None:
     parser.add_argument(
         "--reuse",
         action="store_true",
-        help="keep the rows --out already holds for the same U-Net weights and eval JSON (to add a run "
+        help="keep the rows --out already holds for the same weights and eval JSON (to add a run "
         "without measuring the others again)",
     )
     args = parser.parse_args()

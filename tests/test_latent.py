@@ -443,7 +443,7 @@ def latent_defaults(*options):
 
 
 def test_a_vae_makes_the_latent_recipe_and_options_still_override_it():
-    from sdkit.minisd.train import LATENT_STEPS
+    from sdkit.minisd import LATENT_STEPS
 
     latent = TrainSettings(space="latents", steps=LATENT_STEPS, image_size=128, place_embeddings=False)
     assert latent_defaults() == latent

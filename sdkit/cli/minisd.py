@@ -8,7 +8,7 @@ import os
 from dataclasses import asdict, replace
 
 from ..common import MAPS_FOLDER, MODEL_FOLDER, SdkitError, check_output_folder
-from ..minisd import LR_SCHEDULES, PRECISIONS, SHIPPED_TRAINING_TIME
+from ..minisd import LATENT_STEPS, LR_SCHEDULES, PRECISIONS, SHIPPED_TRAINING_TIME
 from .common import (
     CACHE_DEFAULT,
     CACHE_HELP,
@@ -59,7 +59,7 @@ def train_settings(args, vae=None):
     Given the VAE of --vae, a latent mini SD's: its image side is the VAE's, a stock pipeline has no
     place embeddings (asked for, they make the ablation's sdkit-only folder), and it trains
     LATENT_STEPS unless --steps says otherwise."""
-    from ..minisd.train import LATENT_STEPS, TrainSettings
+    from ..minisd.train import TrainSettings
 
     settings = TrainSettings(
         steps=args.steps,
@@ -505,7 +505,7 @@ def register(sub) -> None:
         help="save the model folder here: a new or empty folder, or a mini SD folder, whose model is "
         "replaced (other files in it are kept); the shipped model is weights/minisd",
     )
-    q.add_argument("--steps", type=positive_int, default=3600, help="optimizer steps; 5000 with --vae")
+    q.add_argument("--steps", type=positive_int, default=3600, help=f"optimizer steps; {LATENT_STEPS} with --vae")
     q.add_argument("--batch-size", type=positive_int, default=32, help="images per step")
     q.add_argument("--lr", type=positive_float, default=1e-3, help="peak learning rate")
     q.add_argument(

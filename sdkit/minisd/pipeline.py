@@ -232,9 +232,14 @@ def load_vae(folder: str | os.PathLike):
         vae = AutoencoderKL.from_pretrained(path, local_files_only=True)
     except Exception as e:  # diffusers raises many types for a bad folder: all mean that
         raise SdkitError(f"{path}: cannot load the VAE ({first_line(e)})") from None
-    if vae.config.latent_channels != 4 or 2 ** (len(vae.config.block_out_channels) - 1) != LATENT_DOWNSCALE:
+    if vae.config.latent_channels != 4 or vae_downscale(vae) != LATENT_DOWNSCALE:
         raise SdkitError(f"{path}: the VAE must make 4 latent channels at 1/{LATENT_DOWNSCALE} of the side")
     return vae.eval()
+
+
+def vae_downscale(vae) -> int:
+    """Pixels per latent cell along a side: a halving per level after the first (as diffusers reads it)."""
+    return 2 ** (len(vae.config.block_out_channels) - 1)
 
 
 def read_scheduler_config(folder: str | os.PathLike) -> dict:

@@ -61,11 +61,6 @@ CHECKPOINT = "checkpoint.safetensors"
 IN_PROGRESS = "model"  # beside the checkpoint: its EMA weights as a mini SD folder
 
 
-# A latent run's steps when none are asked for: what the shipped latent model trained (its hour on
-# 2 CPU cores; at step 2,000 a latent run does not yet show whether it learns left/right).
-LATENT_STEPS = 5000
-
-
 @dataclass
 class TrainSettings:
     steps: int = 3600

@@ -338,9 +338,10 @@ def latent_separation(vae) -> dict:
     from zero (the latents' spread is 1 by the scaling factor): a precision the U-Net's MSE hardly
     rewards, and the blue drawn as cyan of docs/latent.md."""
     from .data import COLOURS, SHAPES, render, single_scene
+    from .pipeline import vae_downscale
 
     side = vae.config.sample_size
-    cell = 2 ** (len(vae.config.block_out_channels) - 1)  # a halving per level after the first
+    cell = vae_downscale(vae)
     cells = side // cell
 
     def encoded(colour: str, shape: str) -> tuple[torch.Tensor, torch.Tensor]:
