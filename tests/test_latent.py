@@ -402,9 +402,9 @@ def test_the_frozen_vae_encodes_in_the_runs_precision(bert, micro_vae, tmp_path,
     seen = []
     encode = training.encode_latents
 
-    def recording(vae, pixels, generator):
+    def recording(vae, pixels, generator, posterior):
         seen.append(torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16)
-        return encode(vae, pixels, generator)
+        return encode(vae, pixels, generator, posterior)
 
     monkeypatch.setattr(training, "encode_latents", recording)
     settings = TrainSettings(
@@ -426,6 +426,43 @@ def test_the_frozen_vae_encodes_in_the_runs_precision(bert, micro_vae, tmp_path,
         vae=load_vae(micro_vae[0]),
     )
     assert seen == [precision != "fp32"] * 2
+
+
+@pytest.mark.parametrize("posterior", ["sample", "mean"])
+def test_a_latent_run_denoises_posterior_draws_or_the_posterior_mean(bert, micro_vae, tmp_path, posterior):
+    """TrainSettings.posterior: what the U-Net is trained to denoise, and the run records it."""
+    from sdkit.minisd import train as training
+    from sdkit.minisd.pipeline import load_vae
+
+    vae = load_vae(micro_vae[0])
+    pixels = torch.rand(2, 3, 32, 32) * 2 - 1
+    dist = vae.encode(pixels).latent_dist
+    latents = training.encode_latents(vae, pixels, torch.Generator().manual_seed(0), posterior)
+    mean = (dist.mean * vae.config.scaling_factor).float()
+    if posterior == "mean":
+        torch.testing.assert_close(latents, mean, rtol=0, atol=0)
+    else:  # a draw: the mean moved by std-scaled noise, a different one for another generator
+        assert (latents - mean).abs().max() > 1e-3
+        other = training.encode_latents(vae, pixels, torch.Generator().manual_seed(1), posterior)
+        assert not torch.equal(latents, other)
+    settings = TrainSettings(
+        steps=1,
+        batch_size=2,
+        warmup_steps=1,
+        image_size=32,
+        space="latents",
+        place_embeddings=False,
+        compile=False,
+        posterior=posterior,
+    )
+    train(
+        tmp_path / "m", for_stock_pipeline(bert, 24), settings, micro_latent_unet(bert.width), progress=False, vae=vae
+    )
+    recorded = json.loads((tmp_path / "m" / "minisd.json").read_text())["training"]["settings"]
+    assert recorded["posterior"] == posterior
+    assert latent_defaults("--posterior", posterior).posterior == posterior
+    with pytest.raises(SdkitError, match="posterior is a latent run's"):
+        TrainSettings(posterior="mean").check()
 
 
 def latent_defaults(*options):

@@ -8,7 +8,7 @@ import os
 from dataclasses import asdict, replace
 
 from ..common import MAPS_FOLDER, MODEL_FOLDER, SdkitError, check_output_folder
-from ..minisd import LATENT_STEPS, LR_SCHEDULES, PRECISIONS, SHIPPED_TRAINING_TIME
+from ..minisd import LATENT_STEPS, LR_SCHEDULES, POSTERIORS, PRECISIONS, SHIPPED_TRAINING_TIME
 from .common import (
     CACHE_DEFAULT,
     CACHE_HELP,
@@ -81,6 +81,7 @@ def train_settings(args, vae=None):
         timestep_bias=args.timestep_bias,
         timestep_bias_from=args.timestep_bias_from,
         precision=args.precision,
+        posterior=args.posterior,
         compile=not args.no_compile,
     )
     if vae is None:
@@ -577,6 +578,12 @@ def register(sub) -> None:
         default=600,
         metavar="T",
         help="... only at timesteps T or more (of 1000; default 600)",
+    )
+    q.add_argument(
+        "--posterior",
+        choices=POSTERIORS,
+        default="sample",
+        help="with --vae: train on draws from the VAE's posterior (sample, SD's recipe) or on its mean",
     )
     q.add_argument(
         "--timestep-bias",

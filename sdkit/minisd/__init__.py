@@ -19,6 +19,7 @@ SHIPPED_TRAINING_TIME = "37-55 min on 2 CPU cores"
 # train.py's choices, here so that the CLI offers them without importing torch
 PRECISIONS = ("auto", "bf16", "bf16-fp32-ends", "fp32")
 LR_SCHEDULES = ("cosine", "constant")
+POSTERIORS = ("sample", "mean")  # what a latent run denoises: a draw from the VAE's posterior, or its mean
 # A latent run's steps when none are asked for: what the shipped latent model trained (its hour on
 # 2 CPU cores; at step 2,000 a latent run does not yet show whether it learns left/right).
 LATENT_STEPS = 5000

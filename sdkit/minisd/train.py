@@ -42,7 +42,7 @@ from ..common import (
 )
 from ..encoders import TextEncoder, encoder_fingerprint
 from ..geometry import halved
-from . import LR_SCHEDULES, PRECISIONS
+from . import LR_SCHEDULES, POSTERIORS, PRECISIONS
 from .data import all_captions, parse_caption, sample_at, to_model
 from .pipeline import (
     CONDITIONINGS,
@@ -122,8 +122,13 @@ class TrainSettings:
     timestep_bias_from: int = 900
     seed: int = 0
     # "pixels": the U-Net denoises the images; "latents": it denoises a VAE's latents of them (image_size
-    # is the pixel side either way), drawn from the encoder's posterior and scaled, as SD trained.
+    # is the pixel side either way), drawn from the encoder's posterior (see posterior) and scaled, as SD trained.
     space: str = "pixels"
+    # What a latent run denoises: "sample", a draw from the encoder's posterior (SD's recipe); "mean",
+    # the posterior's mean. The shipped VAE's posterior is wide where the image is flat (std 0.46
+    # in the background, 0.07 on the objects, of scaled latents whose std is 1): noise the U-Net
+    # must learn to draw and the decoder ignores. Sampling is the same either way.
+    posterior: str = "sample"
     # "bf16": torch's autocast (bfloat16 convolutions and matmuls on float32 weights); "bf16-fp32-ends":
     # the same with the U-Net's first and last layers in float32 (ends_in_float32); "fp32";
     # "auto": bf16-fp32-ends on a GPU that has bfloat16, fp32 on a CPU (resolve_precision).
@@ -182,6 +187,10 @@ class TrainSettings:
             raise SdkitError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
         if self.space not in SPACES:
             raise SdkitError(f"unknown space {self.space!r}; choose one of {', '.join(SPACES)}")
+        if self.posterior not in POSTERIORS:
+            raise SdkitError(f"unknown posterior {self.posterior!r}; choose one of {', '.join(POSTERIORS)}")
+        if self.space == "pixels" and self.posterior != "sample":
+            raise SdkitError("posterior is a latent run's: a pixel mini SD denoises the images themselves")
         if self.space == "latents" and self.coordinates:
             raise SdkitError(
                 "a latent mini SD is a stock StableDiffusionPipeline, whose pipeline feeds the U-Net the "
@@ -203,6 +212,7 @@ ADDED_SETTINGS = {
     "timestep_bias_from": 900,
     "lr_schedule": "cosine",
     "space": "pixels",
+    "posterior": "sample",
 }
 
 
@@ -509,11 +519,15 @@ def ends_in_float32(unet) -> None:
 
 
 @torch.no_grad()
-def encode_latents(vae, pixels: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Pixels in [-1, 1] -> scaled latents drawn from the VAE's posterior (as SD's training drew them)."""
-    posterior = vae.encode(pixels.to(vae.dtype)).latent_dist
-    draw = torch.randn(posterior.mean.shape, generator=generator).to(posterior.mean.device)
-    return ((posterior.mean + posterior.std * draw) * vae.config.scaling_factor).float()
+def encode_latents(vae, pixels: torch.Tensor, generator: torch.Generator, posterior: str = "sample") -> torch.Tensor:
+    """Pixels in [-1, 1] -> scaled latents: drawn from the VAE's posterior (as SD's training drew
+    them), or its mean (TrainSettings.posterior)."""
+    dist = vae.encode(pixels.to(vae.dtype)).latent_dist
+    latents = dist.mean
+    if posterior == "sample":
+        draw = torch.randn(dist.mean.shape, generator=generator).to(dist.mean.device)
+        latents = dist.mean + dist.std * draw
+    return (latents * vae.config.scaling_factor).float()
 
 
 def scheduler_config(settings: TrainSettings) -> dict:
@@ -907,8 +921,12 @@ def train(
                 # script casts its VAE to the weight dtype: on the CPU it halves the encoder's third
                 # of a step, and moves the scaled latents by 0.004 RMS (colours stand 0.4 apart).
                 with autocast:
-                    pixels = encode_latents(vae, pixels, draw)
-                    noised_from = pixels if not settings.swap_fraction else encode_latents(vae, noised_from, draw)
+                    pixels = encode_latents(vae, pixels, draw, settings.posterior)
+                    noised_from = (
+                        pixels
+                        if not settings.swap_fraction
+                        else encode_latents(vae, noised_from, draw, settings.posterior)
+                    )
             if settings.swap_fraction:
                 noisy, noise = noised_from_swapped(pixels, noised_from, noise, timesteps, noise_scheduler)
             else:
