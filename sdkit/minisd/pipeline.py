@@ -596,8 +596,8 @@ class MiniSDPipeline:
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
         """Pixels in [-1, 1] -> what the U-Net denoises: the pixels themselves, or the VAE's scaled
         latents. The posterior's mean, not a draw from it: a reading of given images is then the
-        same on every run (training drew from the posterior; its spread is small beside the noise
-        any timestep past the first few adds)."""
+        same on every run (training drew from the posterior unless TrainSettings.posterior said
+        "mean"; its spread is small beside the noise any timestep past the first few adds)."""
         if self.vae is None:
             return pixels
         vae = self.vae
