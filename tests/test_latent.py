@@ -392,21 +392,21 @@ def test_the_order_studies_read_a_latent_model_on_its_decoded_pixels(latent_mini
     assert len(by_step.timesteps) == 2 and all(0 <= s <= 1 for v in by_step.shares.values() for s in v)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16-fp32-ends"])
-def test_the_frozen_vae_encodes_in_the_runs_precision(bert, micro_vae, tmp_path, monkeypatch, precision):
-    """Under bf16 the VAE's encodes run in bfloat16 autocast (as diffusers' script casts the VAE to
-    the weight dtype); in fp32 they stay float32, so fp32 runs' latents are unchanged."""
+def micro_latent_run(bert, micro_vae, out, monkeypatch, **settings) -> list[tuple[bool, bool]]:
+    """Trains a micro latent mini SD 2 steps; for each VAE encode, (under bfloat16 autocast, drawn
+    from the posterior rather than its mean)."""
     from sdkit.minisd import train as training
     from sdkit.minisd.pipeline import load_vae
 
     seen = []
-    encode = training.encode_latents
+    encode = training.scaled_latents
 
-    def recording(vae, pixels, generator, posterior):
-        seen.append(torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16)
-        return encode(vae, pixels, generator, posterior)
+    def recording(vae, pixels, generator=None):
+        bf16 = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        seen.append((bf16, generator is not None))
+        return encode(vae, pixels, generator)
 
-    monkeypatch.setattr(training, "encode_latents", recording)
+    monkeypatch.setattr(training, "scaled_latents", recording)
     settings = TrainSettings(
         steps=2,
         batch_size=2,
@@ -415,54 +415,47 @@ def test_the_frozen_vae_encodes_in_the_runs_precision(bert, micro_vae, tmp_path,
         space="latents",
         place_embeddings=False,
         compile=False,
-        precision=precision,
+        **settings,
     )
-    train(
-        tmp_path / "m",
-        for_stock_pipeline(bert, 24),
-        settings,
-        micro_latent_unet(bert.width),
-        progress=False,
-        vae=load_vae(micro_vae[0]),
-    )
-    assert seen == [precision != "fp32"] * 2
+    vae = load_vae(micro_vae[0])
+    train(out, for_stock_pipeline(bert, 24), settings, micro_latent_unet(bert.width), progress=False, vae=vae)
+    return seen
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-fp32-ends"])
+def test_the_frozen_vae_encodes_in_the_runs_precision(bert, micro_vae, tmp_path, monkeypatch, precision):
+    """Under bf16 the VAE's encodes run in bfloat16 autocast (as diffusers' script casts the VAE to
+    the weight dtype); in fp32 they stay float32, so fp32 runs' latents are unchanged."""
+    seen = micro_latent_run(bert, micro_vae, tmp_path / "m", monkeypatch, precision=precision)
+    assert [bf16 for bf16, _ in seen] == [precision != "fp32"] * 2
 
 
 @pytest.mark.parametrize("posterior", ["sample", "mean"])
-def test_a_latent_run_denoises_posterior_draws_or_the_posterior_mean(bert, micro_vae, tmp_path, posterior):
-    """TrainSettings.posterior: what the U-Net is trained to denoise, and the run records it."""
-    from sdkit.minisd import train as training
-    from sdkit.minisd.pipeline import load_vae
-
-    vae = load_vae(micro_vae[0])
-    pixels = torch.rand(2, 3, 32, 32) * 2 - 1
-    dist = vae.encode(pixels).latent_dist
-    latents = training.encode_latents(vae, pixels, torch.Generator().manual_seed(0), posterior)
-    mean = (dist.mean * vae.config.scaling_factor).float()
-    if posterior == "mean":
-        torch.testing.assert_close(latents, mean, rtol=0, atol=0)
-    else:  # a draw: the mean moved by std-scaled noise, a different one for another generator
-        assert (latents - mean).abs().max() > 1e-3
-        other = training.encode_latents(vae, pixels, torch.Generator().manual_seed(1), posterior)
-        assert not torch.equal(latents, other)
-    settings = TrainSettings(
-        steps=1,
-        batch_size=2,
-        warmup_steps=1,
-        image_size=32,
-        space="latents",
-        place_embeddings=False,
-        compile=False,
-        posterior=posterior,
-    )
-    train(
-        tmp_path / "m", for_stock_pipeline(bert, 24), settings, micro_latent_unet(bert.width), progress=False, vae=vae
-    )
+def test_a_latent_run_denoises_posterior_draws_or_the_posterior_mean(bert, micro_vae, tmp_path, monkeypatch, posterior):
+    """TrainSettings.posterior: the run encodes draws from the VAE's posterior or its mean, and
+    records which."""
+    seen = micro_latent_run(bert, micro_vae, tmp_path / "m", monkeypatch, posterior=posterior)
+    assert [drawn for _, drawn in seen] == [posterior == "sample"] * 2
     recorded = json.loads((tmp_path / "m" / "minisd.json").read_text())["training"]["settings"]
     assert recorded["posterior"] == posterior
     assert latent_defaults("--posterior", posterior).posterior == posterior
     with pytest.raises(SdkitError, match="posterior is a latent run's"):
         TrainSettings(posterior="mean").check()
+
+
+def test_scaled_latents_are_the_posterior_mean_or_a_draw_from_it(micro_vae):
+    from sdkit.minisd.pipeline import load_vae, scaled_latents
+
+    vae = load_vae(micro_vae[0])
+    pixels = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    with torch.no_grad():
+        dist = vae.encode(pixels).latent_dist
+    scale = vae.config.scaling_factor
+    torch.testing.assert_close(scaled_latents(vae, pixels), dist.mean * scale, rtol=0, atol=0)
+    noise = torch.randn(dist.mean.shape, generator=torch.Generator().manual_seed(3))
+    drawn = scaled_latents(vae, pixels, torch.Generator().manual_seed(3))
+    torch.testing.assert_close(drawn, (dist.mean + dist.std * noise) * scale, rtol=0, atol=0)
+    assert dist.std.min() > 0  # so the draw is not the mean in disguise
 
 
 def latent_defaults(*options):

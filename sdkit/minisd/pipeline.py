@@ -242,6 +242,17 @@ def vae_downscale(vae) -> int:
     return 2 ** (len(vae.config.block_out_channels) - 1)
 
 
+@torch.no_grad()
+def scaled_latents(vae, pixels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Pixels in [-1, 1] -> the VAE's latents, scaled as the U-Net reads them: the posterior's
+    mean, or with a generator a draw from the posterior (as SD's training draws them)."""
+    dist = vae.encode(pixels.to(vae.dtype)).latent_dist
+    latents = dist.mean
+    if generator is not None:
+        latents = latents + dist.std * torch.randn(latents.shape, generator=generator).to(latents.device)
+    return (latents * vae.config.scaling_factor).float()
+
+
 def read_scheduler_config(folder: str | os.PathLike) -> dict:
     """The model's scheduler config, checked by building the scheduler it names."""
     from diffusers import DDPMScheduler
@@ -598,10 +609,7 @@ class MiniSDPipeline:
         latents. The posterior's mean, not a draw from it: a reading of given images is then the
         same on every run (training drew from the posterior unless TrainSettings.posterior said
         "mean"; its spread is small beside the noise any timestep past the first few adds)."""
-        if self.vae is None:
-            return pixels
-        vae = self.vae
-        return (vae.encode(pixels.to(vae.dtype)).latent_dist.mean * vae.config.scaling_factor).float()
+        return pixels if self.vae is None else scaled_latents(self.vae, pixels)
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:

@@ -55,6 +55,7 @@ from .pipeline import (
     add_coordinates,
     add_place_embeddings,
     pool_states,
+    scaled_latents,
 )
 
 CHECKPOINT = "checkpoint.safetensors"
@@ -518,18 +519,6 @@ def ends_in_float32(unet) -> None:
         module.forward = float32_forward(module)
 
 
-@torch.no_grad()
-def encode_latents(vae, pixels: torch.Tensor, generator: torch.Generator, posterior: str = "sample") -> torch.Tensor:
-    """Pixels in [-1, 1] -> scaled latents: drawn from the VAE's posterior (as SD's training drew
-    them), or its mean (TrainSettings.posterior)."""
-    dist = vae.encode(pixels.to(vae.dtype)).latent_dist
-    latents = dist.mean
-    if posterior == "sample":
-        draw = torch.randn(dist.mean.shape, generator=generator).to(dist.mean.device)
-        latents = dist.mean + dist.std * draw
-    return (latents * vae.config.scaling_factor).float()
-
-
 def scheduler_config(settings: TrainSettings) -> dict:
     """The noise schedule and prediction target a run trains with (and its model samples with)."""
     if settings.zero_terminal_snr:
@@ -916,17 +905,17 @@ def train(
             pixels, states, noise, timesteps = (t.to(accelerator.device) for t in batch[:4])
             noised_from = batch.noised_from.to(device)
             if latent:  # "pixels" from here on are the latents the U-Net denoises
-                draw = torch.Generator().manual_seed(hash_seed(settings.seed, step, "latents"))
+                draw = (  # None: the posterior's mean (TrainSettings.posterior)
+                    torch.Generator().manual_seed(hash_seed(settings.seed, step, "latents"))
+                    if settings.posterior == "sample"
+                    else None
+                )
                 # Under bf16 the frozen VAE encodes in bfloat16 too, as diffusers' text-to-image
                 # script casts its VAE to the weight dtype: on the CPU it halves the encoder's third
                 # of a step, and moves the scaled latents by 0.004 RMS (colours stand 0.4 apart).
                 with autocast:
-                    pixels = encode_latents(vae, pixels, draw, settings.posterior)
-                    noised_from = (
-                        pixels
-                        if not settings.swap_fraction
-                        else encode_latents(vae, noised_from, draw, settings.posterior)
-                    )
+                    pixels = scaled_latents(vae, pixels, draw)
+                    noised_from = pixels if not settings.swap_fraction else scaled_latents(vae, noised_from, draw)
             if settings.swap_fraction:
                 noisy, noise = noised_from_swapped(pixels, noised_from, noise, timesteps, noise_scheduler)
             else:

@@ -338,7 +338,7 @@ def latent_separation(vae) -> dict:
     from zero (the latents' spread is 1 by the scaling factor): a precision the U-Net's MSE hardly
     rewards, and the blue drawn as cyan of docs/latent.md."""
     from .data import COLOURS, SHAPES, render, single_scene
-    from .pipeline import vae_downscale
+    from .pipeline import scaled_latents, vae_downscale
 
     side = vae.config.sample_size
     cell = vae_downscale(vae)
@@ -346,11 +346,11 @@ def latent_separation(vae) -> dict:
 
     def encoded(colour: str, shape: str) -> tuple[torch.Tensor, torch.Tensor]:
         sample = render(single_scene(colour, shape, "center"), side)
-        latents = vae.encode(torch.from_numpy(to_model(sample.image))[None]).latent_dist.mean[0]
+        latents = scaled_latents(vae, torch.from_numpy(to_model(sample.image))[None])[0]
         coverage = (
             torch.from_numpy(sample.masks[0].astype(np.float32)).reshape(cells, cell, cells, cell).mean(dim=(1, 3))
         )
-        return latents * vae.config.scaling_factor, coverage
+        return latents, coverage
 
     def distances(codes: dict, where) -> dict:
         names = list(codes)
