@@ -692,6 +692,28 @@ def test_cli_sample_and_eval(micro_model, bert, cli, tmp_path):
     assert code == 2 and "no such file" in err
 
 
+def test_a_run_keeps_the_models_of_the_steps_asked_for(bert, cli, tmp_path):
+    ck = tmp_path / "ck"
+    train(tmp_path / "run", bert, _settings(steps=4), micro_config(bert.width), ck, 1, None, False, keep_models_every=2)
+    assert sorted(p.name for p in ck.iterdir() if p.is_dir()) == ["model", "model-2", "model-4"]
+    for step in (2, 4):
+        assert json.loads((ck / f"model-{step}" / "minisd.json").read_text())["training"]["checkpoint_step"] == step
+    weights = "unet/diffusion_pytorch_model.safetensors"
+    final, second, fourth = (
+        load_file(folder / weights) for folder in (tmp_path / "run", ck / "model-2", ck / "model-4")
+    )
+    assert all(torch.equal(final[k], fourth[k]) for k in final)  # the last step's EMA is the model's
+    assert not all(torch.equal(final[k], second[k]) for k in final)
+    for every, checkpoints in ((3, ck), (2, None)):  # not a checkpoint step; no checkpoints
+        with pytest.raises(SdkitError, match="multiple of checkpoint_every"):
+            train(tmp_path / "r2", bert, _settings(), micro_config(bert.width), checkpoints, 2, keep_models_every=every)
+    code, _, err = cli("minisd", "train", "--out", tmp_path / "r3", "--keep-models-every", "100")
+    assert code == 2 and "--keep-models-every 100 keeps checkpoints' models: it needs --checkpoints" in err
+    code, _, err = cli("minisd", "train", "--out", tmp_path / "r3", "--checkpoints", ck, "--keep-models-every", "300")
+    assert code == 2 and "a multiple of --checkpoint-every (200)" in err
+    assert not (tmp_path / "r2").exists() and not (tmp_path / "r3").exists()
+
+
 def test_a_checkpoints_model_says_it_is_one(bert, cli, tmp_path):
     with pytest.raises(Interrupted):
         train(

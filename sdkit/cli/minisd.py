@@ -99,6 +99,11 @@ def cmd_minisd_train(args) -> None:
     check_outputs(args, folders=("cache", "checkpoints"), owned={"out": MODEL_FOLDER})
     if args.checkpoints:  # the run so far goes to DIR/model: the same rule as --out
         check_output_folder(os.path.join(args.checkpoints, "model"), MODEL_FOLDER, "--checkpoints model folder")
+    if args.keep_models_every and (not args.checkpoints or args.keep_models_every % args.checkpoint_every):
+        raise SdkitError(
+            f"--keep-models-every {args.keep_models_every} keeps checkpoints' models: it needs --checkpoints "
+            f"and a multiple of --checkpoint-every ({args.checkpoint_every})"
+        )
     from ..encoders import for_stock_pipeline, load_text_encoder
     from ..minisd.train import train
 
@@ -125,6 +130,7 @@ def cmd_minisd_train(args) -> None:
         settings,
         checkpoint_dir=args.checkpoints,
         checkpoint_every=args.checkpoint_every,
+        keep_models_every=args.keep_models_every,
         cache_dir=args.cache,
         progress=not args.json,
         vae=vae,
@@ -622,6 +628,13 @@ def register(sub) -> None:
         "weights as a mini SD, to eval or sample while the run goes on",
     )
     q.add_argument("--checkpoint-every", type=positive_int, default=200, help="steps between checkpoints")
+    q.add_argument(
+        "--keep-models-every",
+        type=positive_int,
+        metavar="N",
+        help="with --checkpoints: also keep the EMA weights of every Nth step as DIR/model-N (a multiple "
+        "of --checkpoint-every), to judge the run's course afterwards",
+    )
     q.add_argument(
         "--vae",
         metavar="DIR",

@@ -62,6 +62,11 @@ CHECKPOINT = "checkpoint.safetensors"
 IN_PROGRESS = "model"  # beside the checkpoint: its EMA weights as a mini SD folder
 
 
+def kept_model(step: int) -> str:
+    """The folder beside the checkpoint that keeps the EMA weights of `step` (train's keep_models_every)."""
+    return f"{IN_PROGRESS}-{step}"
+
+
 @dataclass
 class TrainSettings:
     steps: int = 3600
@@ -761,6 +766,7 @@ def train(
     stop_after: int | None = None,
     vae=None,
     vae_record: dict | None = None,
+    keep_models_every: int | None = None,
 ) -> TrainResult:
     """Train a mini SD and save it (EMA weights) to `out` as a model folder.
 
@@ -770,6 +776,9 @@ def train(
 
     With `checkpoint_dir`, the full state (weights, EMA, optimizer, step) is written there every
     `checkpoint_every` steps, and a run that finds a checkpoint of the same run resumes from it.
+    Its EMA weights go to `checkpoint_dir`/model each time, and with `keep_models_every` (a multiple
+    of `checkpoint_every`) also to `checkpoint_dir`/model-STEP at every such step, kept: the run's
+    course, to judge afterwards.
     """
     from accelerate import Accelerator
     from diffusers import DDPMScheduler
@@ -784,9 +793,16 @@ def train(
     if checkpoint_every <= 0:
         raise SdkitError(f"checkpoint_every must be positive, not {checkpoint_every}")
     check_output_folder(out, MODEL_FOLDER, "model folder")
+    if keep_models_every is not None and (not checkpoint_dir or keep_models_every % checkpoint_every):
+        raise SdkitError(
+            f"keep_models_every ({keep_models_every}) keeps checkpoints' models: it needs a checkpoint "
+            f"folder and must be a multiple of checkpoint_every ({checkpoint_every})"
+        )
+    kept_steps = range(keep_models_every, settings.steps + 1, keep_models_every) if keep_models_every else ()
     if checkpoint_dir:
         check_output(checkpoint_dir, "checkpoint folder", folder=True)
-        check_output_folder(Path(checkpoint_dir) / IN_PROGRESS, MODEL_FOLDER, "checkpoint's model folder")
+        for name in (IN_PROGRESS, *(kept_model(step) for step in kept_steps)):
+            check_output_folder(Path(checkpoint_dir) / name, MODEL_FOLDER, "checkpoint's model folder")
     latent = settings.space == "latents"
     config = dict(unet_config or preset_config("minisd-latent" if latent else "minisd"))
     if latent:
@@ -978,15 +994,9 @@ def train(
                 so_far = earlier + time.perf_counter() - began
                 save_checkpoint(checkpoint, unet, ema, optimizer, done, history, fingerprint, so_far)
                 # the run so far as a model folder, for `sdkit minisd eval` or `sample` while it goes on
-                save_ema_model(
-                    checkpoint.parent / IN_PROGRESS,
-                    ema,
-                    config,
-                    settings,
-                    encoder,
-                    {**trained_on, "checkpoint_step": done, "total_seconds": round(so_far, 1), "history": history},
-                    vae,
-                )
+                record = {**trained_on, "checkpoint_step": done, "total_seconds": round(so_far, 1), "history": history}
+                for name in (IN_PROGRESS, kept_model(done)) if done in kept_steps else (IN_PROGRESS,):
+                    save_ema_model(checkpoint.parent / name, ema, config, settings, encoder, record, vae)
             if stop:
                 raise Interrupted(f"stopped after step {done}")
     seconds = time.perf_counter() - began
