@@ -245,8 +245,13 @@ def vae_downscale(vae) -> int:
 @torch.no_grad()
 def scaled_latents(vae, pixels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """Pixels in [-1, 1] -> the VAE's latents, scaled as the U-Net reads them: the posterior's
-    mean, or with a generator a draw from the posterior (as SD's training draws them)."""
-    dist = vae.encode(pixels.to(vae.dtype)).latent_dist
+    mean, or with a generator a draw from the posterior (as SD's training draws them).
+
+    The pixels go in channels-last: oneDNN's convolutions then skip a reorder to and from their own
+    layout at each layer, and the shipped VAE encodes a training batch 1.2-1.4x faster on 2 CPU
+    cores (scripts/bench_vae_encode.py; the encode is about a third of a latent training step). The
+    latents move by 2e-4 RMS, against a posterior deviation of 0.07 on the objects."""
+    dist = vae.encode(pixels.to(vae.dtype, memory_format=torch.channels_last)).latent_dist
     latents = dist.mean
     if generator is not None:
         latents = latents + dist.std * torch.randn(latents.shape, generator=generator).to(latents.device)
