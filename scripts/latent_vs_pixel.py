@@ -120,8 +120,9 @@ def main() -> None:
     parser.add_argument(
         "--reuse",
         action="store_true",
-        help="keep the rows --out already holds for the same weights and eval JSON (to add a run "
-        "without measuring the others again)",
+        help="keep the rows --out already holds for the same weights and eval JSON, and its runs, each "
+        "replaced by a --run of its name (to add a run without measuring the others again, or "
+        "keeping their folders)",
     )
     args = parser.parse_args()
     held = json.loads(Path(args.out).read_text()) if args.reuse and Path(args.out).is_file() else {}
@@ -137,7 +138,10 @@ def main() -> None:
         return {**measured_now, "evaluation": evaluation, "fingerprint": fingerprint}
 
     rows = [measure(args.pixel, args.pixel_eval), measure(args.latent, args.latent_eval)]
-    runs = [{"name": name, **measure(model, evaluation)} for name, model, evaluation in args.run]
+    runs = {run["name"]: run for run in held.get("runs", [])}  # empty without --reuse
+    for name, model, evaluation in args.run:
+        runs[name] = {"name": name, **measure(model, evaluation)}
+    runs = list(runs.values())  # held runs in their order, new names after them
     note = "U-Net FLOPs of one sampling step with guidance (two passes)"
     write_json(args.out, {"rows": rows, "runs": runs, "note": note})
     print(json.dumps({"rows": rows, "runs": runs}, indent=1))
