@@ -29,7 +29,7 @@ from sdkit.minisd.data import (
     single_scene,
     to_model,
 )
-from sdkit.minisd.evaluate import BLUR_NOISE, BLUR_PIXELS, blurred
+from sdkit.minisd.evaluate import BLUR_NOISE, BLUR_PIXELS, blurred, prompt_set
 from sdkit.minisd.judge import accuracy, classify_shape, find_objects, judge, min_object_pixels, shape_moments
 from sdkit.minisd.pipeline import MiniSDPipeline, pool_states
 from sdkit.minisd.train import Interrupted, TrainSettings, recorded_settings, train, weighted_loss
@@ -660,23 +660,9 @@ def test_cli_sample_and_eval(micro_model, bert, cli, tmp_path):
     assert code == 0, err
     assert f"({micro_model}: ddim 2 steps" in out  # a finished run's model: no checkpoint note
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    code, out, err = cli(
-        "minisd",
-        "eval",
-        "--model",
-        micro_model,
-        "--text-encoder",
-        bert.source,
-        "--count",
-        "2",
-        "--sets",
-        "singles,pairs",
-        "--steps",
-        "2",
-        "--json",
-        "--panel",
-        tmp_path / "panel.png",
-    )
+    common = ["minisd", "eval", "--model", micro_model, "--text-encoder", bert.source, "--count", "2"]
+    common += ["--sets", "singles,pairs", "--steps", "2", "--json", "--panel", tmp_path / "panel.png"]
+    code, out, err = cli(*common)
     assert code == 0, err
     report = json.loads(out)
     assert set(report["results"]) == {
@@ -688,6 +674,15 @@ def test_cli_sample_and_eval(micro_model, bert, cli, tmp_path):
     }
     assert report["results"]["judge on generator images"]["singles"]["all"] == 1.0
     assert (tmp_path / "panel.png").is_file()
+    assert report["set_seed"] == 1234 and report["captions"]["pairs"] == [s.caption for s in prompt_set("pairs", 2)]
+    # another draw of captions, to choose a setting on: other captions, said in the JSON and the title
+    other = [*common[:-3], "--no-floors", "--set-seed", "7"]
+    code, out, err = cli(*other, "--json")
+    assert code == 0, err
+    drawn = json.loads(out)
+    assert drawn["set_seed"] == 7 and drawn["captions"]["pairs"] == [s.caption for s in prompt_set("pairs", 2, seed=7)]
+    assert drawn["captions"]["pairs"] != report["captions"]["pairs"]
+    assert "captions drawn with set seed 7" in cli(*other)[1]
     code, _, err = cli("minisd", "eval", "--model", tmp_path / "nothing")
     assert code == 2 and "no such file" in err
 

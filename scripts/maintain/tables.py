@@ -673,8 +673,24 @@ def latent_runs_table() -> str:
     return markdown([*headers, "pairs colour", "pairs extra objects", "pairs left/right if bound"], rows)
 
 
+def latent_guidance_table() -> str:
+    """Judged pairs against the guidance scale, per model and draw of captions."""
+    rows = load("guidance")["rows"]
+    scales = sorted({r["guidance"] for r in rows})
+    lines = []
+    for model, seed in dict.fromkeys((r["model"], r["set_seed"]) for r in rows):
+        cells = {r["guidance"]: r for r in rows if (r["model"], r["set_seed"]) == (model, seed) and r["set"] == "pairs"}
+        draw = "eval's (1234)" if seed == 1234 else f"another ({seed})"
+        lines.append(
+            [model, draw]
+            + [f"{pct(cells[g]['all'])} ({pct(cells[g]['extra'])})" if g in cells else "-" for g in scales]
+        )
+    return markdown(["model", "captions drawn", *(f"guidance {g:g}" for g in scales)], lines, right_from=2)
+
+
 TABLES = {
     "latent-runs": latent_runs_table,
+    "latent-guidance": latent_guidance_table,
     "latent-vae": latent_vae_table,
     "latent-vs-pixel": latent_vs_pixel_table,
     "timings": timings_table,

@@ -368,6 +368,7 @@ def cmd_minisd_eval(args) -> None:
             model_name=_model_name(args.model, pipe),
             progress=bar,
             steering=steering,
+            set_seed=args.set_seed,
         )
     table = format_evaluation(ev)
     if args.panel:
@@ -742,5 +743,12 @@ def register(sub) -> None:
     q.add_argument("--sets", default="singles,pairs,held_out_singles,held_out_pairs", help="comma-separated sets")
     q.add_argument("--no-floors", action="store_true", help="skip the empty-prompt and untrained floors")
     q.add_argument("--panel", metavar="FILE.png", help="draw samples with the judge's verdicts here")
+    q.add_argument(
+        "--set-seed",
+        type=seed,
+        default=1234,
+        help="draw of the sets' captions: another seed gives other captions, to choose settings on one draw "
+        "and report them on the default one",
+    )
     sampling_options(q)
     q.set_defaults(minisd_func=cmd_minisd_eval)

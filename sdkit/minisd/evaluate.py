@@ -106,6 +106,7 @@ class Evaluation:
     # per set, beside a steered run: images that steering made all right ("fixed") or all wrong ("broken"),
     # prompt by prompt and seed by seed; the paired count says more than the two accuracies' intervals
     changed: dict[str, dict[str, int]] = field(default_factory=dict)
+    set_seed: int = 1234  # the draw of the sets' captions (prompt_set's seed)
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -130,8 +131,12 @@ def evaluate(
     model_name: str = "model",
     progress=None,
     steering=None,
+    set_seed: int = 1234,
 ) -> Evaluation:
     """Generate `count` images per set (image i from seed i) and judge them, with the floors.
+
+    `set_seed` draws the sets' captions: another one gives other captions (settings can be chosen
+    on one draw and reported on the default one).
 
     With `steering` (sdkit.steering.SteeringSettings), the model's images are steered by guides from
     their captions, and the same prompts and seeds are also sampled unsteered, beside them
@@ -142,10 +147,18 @@ def evaluate(
 
     check_images_fit(count * (1 + 2 * floors + (steering is not None)), pipe.spec.image_size, "judging")
     start = time.perf_counter()
-    scenes = {name: prompt_set(name, count) for name in sets}
+    scenes = {name: prompt_set(name, count, seed=set_seed) for name in sets}
     results: dict[str, dict] = {"model": {}, "judge on generator images": {}, "judge, blurred generator images": {}}
     ev = Evaluation(
-        model_name, guidance_scale, steps, sampler, {n: len(s) for n, s in scenes.items()}, results, 0.0, scenes=scenes
+        model_name,
+        guidance_scale,
+        steps,
+        sampler,
+        {n: len(s) for n, s in scenes.items()},
+        results,
+        0.0,
+        scenes=scenes,
+        set_seed=set_seed,
     )
     timed = {"model": 0.0}
     if steering is not None:
@@ -240,6 +253,8 @@ def format_evaluation(ev: Evaluation) -> str:
         f"{ev.model}: judged accuracy, {ev.sampler} {ev.steps} steps, guidance {ev.guidance_scale:g} "
         "(position: the cell for one object, left/right for a pair)"
     )
+    if ev.set_seed != 1234:
+        title += f"\ncaptions drawn with set seed {ev.set_seed}, not the default draw (1234)"
     if ev.steering:
         s = ev.steering
         title += (
