@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from sdkit.common import write_json  # noqa: E402
+from sdkit.minisd import EVAL_SET_SEED  # noqa: E402
 from sdkit.minisd.evaluate import evaluate  # noqa: E402
 from sdkit.minisd.pipeline import MiniSDPipeline  # noqa: E402
 
@@ -29,7 +30,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", action="append", required=True, metavar="NAME=FOLDER", help="repeatable")
     parser.add_argument("--guidance", required=True, help="comma-separated scales")
-    parser.add_argument("--set-seed", type=int, default=1234, help="draw of the captions (eval's default: 1234)")
+    parser.add_argument("--set-seed", type=int, default=EVAL_SET_SEED, help="draw of the captions (default: eval's)")
     parser.add_argument("--sets", default="pairs", help="comma-separated prompt sets")
     parser.add_argument("--count", type=int, default=64)
     parser.add_argument("--out", type=Path, default=OUT)

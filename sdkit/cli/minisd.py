@@ -8,7 +8,7 @@ import os
 from dataclasses import asdict, replace
 
 from ..common import MAPS_FOLDER, MODEL_FOLDER, SdkitError, check_output_folder
-from ..minisd import LATENT_STEPS, LR_SCHEDULES, POSTERIORS, PRECISIONS, SHIPPED_TRAINING_TIME
+from ..minisd import EVAL_SET_SEED, LATENT_STEPS, LR_SCHEDULES, POSTERIORS, PRECISIONS, SHIPPED_TRAINING_TIME
 from .common import (
     CACHE_DEFAULT,
     CACHE_HELP,
@@ -746,7 +746,7 @@ def register(sub) -> None:
     q.add_argument(
         "--set-seed",
         type=seed,
-        default=1234,
+        default=EVAL_SET_SEED,
         help="draw of the sets' captions: another seed gives other captions, to choose settings on one draw "
         "and report them on the default one",
     )

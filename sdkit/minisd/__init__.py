@@ -23,6 +23,9 @@ POSTERIORS = ("sample", "mean")  # what a latent run denoises: a draw from the V
 # A latent run's steps when none are asked for: what the shipped latent model trained (its hour on
 # 2 CPU cores; at step 2,000 a latent run does not yet show whether it learns left/right).
 LATENT_STEPS = 5000
+# The draw of captions `sdkit minisd eval` judges on (the same prompts on every run); another is
+# for choosing a setting without fitting it to these.
+EVAL_SET_SEED = 1234
 
 
 def explanation(model: str = "weights/minisd", encoders_dir: str = "weights/encoders") -> str:
