@@ -191,7 +191,7 @@ def steering(pipe, model: str, count: int, scale: float, steps: int, out: Path) 
         "steps": steps,
         "sampler": "ddim",
         "sampling_steps": 25,
-        "guidance_scale": 4.0,
+        "guidance_scale": ev.guidance_scale,
         "rows": rows,
         "best": best["objectives"],
         "best_on_held_out_pairs": held_out,

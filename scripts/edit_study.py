@@ -31,6 +31,7 @@ def main() -> int:
     parser.add_argument("--model", default=str(ROOT / "weights" / "minisd"))
     parser.add_argument("--count", type=int, default=32, help="prompts per edit set")
     parser.add_argument("--steps", type=int, default=25)
+    parser.add_argument("--guidance", type=float, default=None, help="guidance scale (default: the model's own)")
     parser.add_argument("--out", default=None, help="the JSON (default: MODEL/findings/editing.json)")
     args = parser.parse_args()
 
@@ -42,13 +43,14 @@ def main() -> int:
 
     out = Path(args.out or Path(args.model) / "findings" / "editing.json")
     pipe = MiniSDPipeline.from_pretrained(args.model, encoders_dir=ROOT / "weights" / "encoders")
+    guidance = pipe.guidance(args.guidance)
     data = json.loads(out.read_text()) if out.is_file() else {}
     rows = data.get("tuning", []) + data.get("rows", [])
-    if (data.get("count"), data.get("steps")) != (args.count, args.steps) or any(
+    if (data.get("count"), data.get("steps"), data.get("guidance_scale")) != (args.count, args.steps, guidance) or any(
         k not in r for r in rows for k in (*KEYS, "source_right")
     ):
-        data = {}  # rows of another count, step number or version of the study: start over, never mix
-    data.update({"model": args.model, "count": args.count, "steps": args.steps, "guidance_scale": 4.0})
+        data = {}  # rows of another count, step number, guidance or version of the study: start over, never mix
+    data.update({"model": args.model, "count": args.count, "steps": args.steps, "guidance_scale": guidance})
     data.setdefault("tuning", [])
     data.setdefault("rows", [])
     data.setdefault("reweight", [])
@@ -59,7 +61,9 @@ def main() -> int:
     def run(rows, kind, setting, seed, label):
         if done(rows, edit=kind, seed=seed, **dict(zip(KEYS, setting))):
             return
-        row = study_row(pipe, kind, EditSettings(**dict(zip(KEYS, setting))), args.count, args.steps, 4.0, seed, label)
+        row = study_row(
+            pipe, kind, EditSettings(**dict(zip(KEYS, setting))), args.count, args.steps, guidance, seed, label
+        )
         rows.append(row)
         write_json(out, data)
         fraction, self_fraction, blend, states = setting
@@ -98,7 +102,7 @@ def main() -> int:
             prompts = [s.caption for s in group]
             reweighted = EditSettings(**dict(zip(KEYS, chosen)), reweight={colour: factor})
             seeds = [scenes.index(s) for s in group]
-            _, images = edit_images(pipe, prompts, prompts, reweighted, seeds, args.steps, 4.0)
+            _, images = edit_images(pipe, prompts, prompts, reweighted, seeds, args.steps, guidance)
             shown += [bool(judge(image, scene).colour) for image, scene in zip(images, group)]
         data["reweight"].append(
             {"factor": factor, "setting": list(chosen), "colour_shown": sum(shown) / len(shown), "count": len(shown)}

@@ -6,7 +6,8 @@ against the generator's masks per grid.
         --pixel-eval weights/minisd/findings/eval.json --latent-eval weights/minisd-latent/findings/eval.json
 
 Each eval JSON is what `sdkit minisd eval --json-out FILE` writes for that model (64 prompts per
-set, guidance 4, 25 DDIM steps: the same prompts and seeds for both). Writes
+set, 25 DDIM steps: the same prompts and seeds for both; the guidance each was judged at is
+recorded, and the table says it: `--guidance 4` judges a latent model as the pixel one). Writes
 weights/minisd/findings/latent_vs_pixel.json; `python scripts/maintain/tables.py --write` puts its
 table in docs/latent.md.
 """
@@ -80,6 +81,7 @@ def row(folder: Path, eval_path: Path, maps_count: int) -> dict:
             for name in SETS
         },
         "judged_count": evaluation["counts"]["pairs"],
+        "guidance_scale": evaluation["guidance_scale"],
         "pairs_left_right_if_bound": evaluation["results"]["model"]["pairs"]["position_if_bound"],
         "pairs_colour": evaluation["results"]["model"]["pairs"]["colour"],
         "pairs_extra_objects": evaluation["results"]["model"]["pairs"]["extra"],

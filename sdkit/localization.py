@@ -256,7 +256,9 @@ def generator_set(count: int, side: int, seed: int = 4321):
     return np.stack([s.image for s in samples]), scenes, [list(s.masks) for s in samples]
 
 
-def generated_set(pipe, count: int, guidance_scale: float = 4.0, steps: int = 25, seed: int = 4321, progress=None):
+def generated_set(
+    pipe, count: int, guidance_scale: float | None = None, steps: int = 25, seed: int = 4321, progress=None
+):
     """Generated images for generator captions, with masks from the judge (None where it did not find
     the object the caption names, by colour and shape)."""
     from .minisd.judge import find_objects

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from sdkit.minisd.data import COLOURS, RELATIONS, SHAPES
+from sdkit.minisd.pipeline import MiniSDPipeline
 from sdkit.minisd.probe import fit_probe, pair_captions, probe_accuracy, run_probe
 
 
@@ -267,6 +268,8 @@ class DenoisingPipe:
 
     vae = None  # a pixel model: it denoises the images themselves
 
+    guidance = MiniSDPipeline.guidance  # the model's own scale (its spec's) when given none
+
     def encode_images(self, pixels):
         return pixels
 
@@ -329,6 +332,9 @@ class DrawingPipe:
     def __init__(self, reads_relation: bool):
         from types import SimpleNamespace
 
+        from sdkit.minisd.pipeline import MiniSDSpec
+
+        self.spec = MiniSDSpec(image_size=32)
         self.reads_relation = reads_relation
         self._scheduler = SimpleNamespace(
             alphas_cumprod=torch.ones(1000), config=SimpleNamespace(prediction_type="epsilon")
@@ -336,6 +342,8 @@ class DrawingPipe:
 
     def scheduler(self):
         return self._scheduler
+
+    guidance = MiniSDPipeline.guidance  # the model's own scale (its spec's) when given none
 
     def __call__(self, captions, steps, guidance_scale, seeds, progress=None, callback_on_step_end=None):
         from sdkit.minisd.data import parse_caption, render, to_model

@@ -257,7 +257,7 @@ SHIPPED = "weights/minisd-latent"
 
 
 @pytest.mark.slow  # reads the real text encoder (the slow run fetches it) and samples 128-pixel images
-@pytest.mark.parametrize("guidance", [7.5, 4.0])  # diffusers' default, and sdkit's
+@pytest.mark.parametrize("guidance", [7.5, 4.0, 2.0])  # diffusers' default, the pixel model's, the latent's
 def test_the_shipped_latent_model_is_a_stable_diffusion_whose_image_the_judge_passes(guidance):
     from diffusers import StableDiffusionPipeline
 
@@ -299,6 +299,33 @@ def test_the_minisd_commands_take_a_latent_model(cli, latent_minisd, tmp_path):
     assert code == 0, err
     results = json.loads(out)["results"]
     assert results["judge, VAE round trips"]["pairs"]["all"] >= 0 and "untrained" in results
+
+
+def test_a_mini_sd_samples_at_its_own_guidance_unless_told(cli, latent_minisd, micro_minisd, tmp_path):
+    """Pixels at 4, latents at 2 (SAMPLING_GUIDANCE): the library's calls and the commands alike,
+    with the scale used recorded; a scale given is the scale used."""
+    pixel_folder, encoder = micro_minisd
+    pixel = MiniSDPipeline.from_pretrained(pixel_folder, encoder)
+    latent = MiniSDPipeline.from_pretrained(latent_minisd)
+    assert (pixel.spec.guidance_scale, latent.spec.guidance_scale) == (4.0, 2.0)
+    for pipe, own in ((pixel, 4.0), (latent, 2.0)):
+        unasked = pipe(["a red circle"], 2, seeds=[0]).images
+        assert np.array_equal(unasked, pipe(["a red circle"], 2, own, seeds=[0]).images)
+        assert not np.array_equal(unasked, pipe(["a red circle"], 2, own + 1, seeds=[0]).images)
+    for folder, extra, own in ((pixel_folder, ("--text-encoder", encoder), 4.0), (latent_minisd, (), 2.0)):
+        for given, used in (((), own), (("--guidance", "3"), 3.0)):
+            code, out, err = cli(
+                "minisd", "eval", "--model", folder, *extra, *given, "--count", "1", "--steps", "2",
+                "--sets", "singles", "--no-floors", "--json",
+            )  # fmt: skip
+            assert code == 0, err
+            assert json.loads(out)["guidance_scale"] == used
+            code, out, err = cli(
+                "minisd", "edit", "a red circle", "--to", "a blue circle", "--model", folder, *extra, *given,
+                "--seeds", "1", "--steps", "2", "--out", tmp_path / f"{own:g}-{used:g}.png", "--json",
+            )  # fmt: skip
+            assert code == 0, err
+            assert json.loads(out)["guidance_scale"] == used
 
 
 # --- the tools of the other commands, on a latent mini SD and the stock pipeline that holds it -------------------

@@ -627,6 +627,7 @@ def latent_vs_pixel_table() -> str:
 
     measures = [
         ("denoises", lambda r: f"{r['space']}, {r['grid']} ({r['image_size']} px images)"),
+        ("judged at guidance", lambda r: f"{r['guidance_scale']:g}"),
         ("pairs judged all [95 % CI]", lambda r: judged(r, "pairs")),
         ("single objects judged all", lambda r: judged(r, "singles")),
         ("held-out pairs judged all", lambda r: judged(r, "held_out_pairs")),
@@ -660,6 +661,7 @@ def latent_runs_table() -> str:
             [
                 run["name"],
                 f"{run['training_steps']:,}",
+                f"{run['guidance_scale']:g}",
                 f"{run['training_seconds'] / 60:.0f} min",
                 pct(judged["singles"]["all"]),
                 f"**{pct(judged['pairs']['all'])}** {interval(judged['pairs']['interval'])}",
@@ -669,7 +671,15 @@ def latent_runs_table() -> str:
                 pct(run["pairs_left_right_if_bound"]),
             ]
         )
-    headers = ["run", "steps", "trained in", "singles all", "pairs all [95 % CI]", "held-out pairs all"]
+    headers = [
+        "run",
+        "steps",
+        "judged at guidance",
+        "trained in",
+        "singles all",
+        "pairs all [95 % CI]",
+        "held-out pairs all",
+    ]
     return markdown([*headers, "pairs colour", "pairs extra objects", "pairs left/right if bound"], rows)
 
 

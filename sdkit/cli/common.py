@@ -13,6 +13,7 @@ import math
 import sys
 
 from ..common import SdkitError, check_output, check_output_folder, write_json
+from ..minisd import SAMPLING_GUIDANCE
 
 PRESET_NAMES = "sd15, sd21, sdxl, tiny, minisd, minisd-latent"  # presets.PRESETS, without importing torch to say so
 LAYERS = ("last", "penultimate")  # encoders.LAYERS
@@ -180,6 +181,8 @@ def _finite(text: str) -> float:
     return value
 
 
+_own_guidance = ", ".join(f"{scale:g} in {space}" for space, scale in SAMPLING_GUIDANCE.items())
+GUIDANCE_HELP = f"classifier-free guidance scale (default: the model's own, {_own_guidance})"
 MAX_GUIDANCE = 1000.0  # SD samples at 1-15; far past that the guided prediction only overflows
 
 

@@ -7,6 +7,7 @@ import argparse
 
 from ..common import MAPS_FOLDER, SdkitError
 from .common import (
+    GUIDANCE_HELP,
     LAYERS,
     PRESET_NAMES,
     add_json,
@@ -265,7 +266,7 @@ def register(sub) -> None:
         help="--masks: timesteps to noise the images to (comma-separated)",
     )
     p.add_argument("--pooled-model", metavar="DIR", help="--generate: a mini SD trained on the pooled state only")
-    p.add_argument("--guidance", type=guidance_scale, default=4.0, help="--masks/--generate: guidance scale")
+    p.add_argument("--guidance", type=guidance_scale, help=f"--masks/--generate: {GUIDANCE_HELP}")
     p.add_argument("--steps", type=positive_int, default=25, help="--masks/--generate: sampling steps")
     p.add_argument("--encoders-dir", default="weights/encoders", help="where the mini SD's text encoder is")
     p.add_argument(

@@ -12,6 +12,7 @@ from ..minisd import EVAL_SET_SEED, LATENT_STEPS, LR_SCHEDULES, POSTERIORS, PREC
 from .common import (
     CACHE_DEFAULT,
     CACHE_HELP,
+    GUIDANCE_HELP,
     LAYERS,
     Parser,
     add_json,
@@ -122,8 +123,9 @@ def cmd_minisd_train(args) -> None:
     encoder = load_text_encoder(folder, layer=args.layer, allow_pickle=args.allow_pickle)
     if vae is not None:
         encoder = for_stock_pipeline(encoder, settings.context_length)
-    # the captions' states are encoded (or read from the cache) before the first step
-    phase("encoding the captions and building the U-Net")
+    # the captions' states are encoded (or read from the cache) before the first step; the phase
+    # ends with the run, so in a log its time is the whole run's, and it says so
+    phase("encoding the captions, building the U-Net and training")
     result = train(
         args.out,
         encoder,
@@ -232,13 +234,16 @@ def cmd_minisd_vae(args) -> None:
 
 
 def _pipeline(args):
+    """The --model's pipeline; with no --guidance given, args.guidance becomes the model's own."""
     from ..minisd.pipeline import MiniSDPipeline
 
     check_input(args.model, "--model")
     phase(f"loading the mini SD {args.model} and its text encoder")
-    return MiniSDPipeline.from_pretrained(
+    pipe = MiniSDPipeline.from_pretrained(
         args.model, args.text_encoder, args.encoders_dir, allow_pickle=args.allow_pickle
     )
+    args.guidance = pipe.guidance(args.guidance)
+    return pipe
 
 
 def _model_name(path: str, pipe) -> str:
@@ -478,7 +483,7 @@ def register(sub) -> None:
 
     def sampling_options(q):
         q.add_argument("--model", default="weights/minisd", help="a mini SD folder")
-        q.add_argument("--guidance", type=guidance_scale, default=4.0, help="classifier-free guidance scale")
+        q.add_argument("--guidance", type=guidance_scale, help=GUIDANCE_HELP)
         q.add_argument("--steps", type=positive_int, default=25, help="sampling steps")
         q.add_argument("--sampler", choices=("ddim", "dpm"), default="ddim", help="DDIM or DPM-Solver++")
         q.add_argument(
@@ -732,7 +737,7 @@ def register(sub) -> None:
     q.add_argument("--first-seed", type=seed, default=0, help="seed of the first edit")
     q.add_argument("--out", default="minisd-edit.png", help="the PNG: source, regenerated and edited per seed")
     q.add_argument("--model", default="weights/minisd", help="a mini SD folder")
-    q.add_argument("--guidance", type=guidance_scale, default=4.0, help="classifier-free guidance scale")
+    q.add_argument("--guidance", type=guidance_scale, help=GUIDANCE_HELP)
     q.add_argument("--steps", type=positive_int, default=25, help="sampling steps")
     encoder_options(q)
     add_json(q)

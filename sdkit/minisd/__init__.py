@@ -23,6 +23,11 @@ POSTERIORS = ("sample", "mean")  # what a latent run denoises: a draw from the V
 # A latent run's steps when none are asked for: what the shipped latent model trained (its hour on
 # 2 CPU cores; at step 2,000 a latent run does not yet show whether it learns left/right).
 LATENT_STEPS = 5000
+# The classifier-free guidance a mini SD samples at when none is asked for, by space (a pipeline's
+# spec.guidance_scale): the pixel model was trained and judged at 4; the latent models draw extra
+# objects at 4 and compose most at 2 (chosen on another draw of captions than eval's:
+# findings/guidance.json, docs/latent.md).
+SAMPLING_GUIDANCE = {"pixels": 4.0, "latents": 2.0}
 # The draw of captions `sdkit minisd eval` judges on (the same prompts on every run); another is
 # for choosing a setting without fitting it to these.
 EVAL_SET_SEED = 1234
@@ -50,6 +55,6 @@ generated images can be scored.
   sdkit minisd eval --panel panel.png     judge generated images, against floors
 
 weights/minisd-latent is the same on a VAE's 16x16x4 latents, as a stock diffusers
-StableDiffusionPipeline folder (single objects 100 %, pairs 39 %: docs/latent.md).
+StableDiffusionPipeline folder (single objects 100 %, pairs 47 % at its guidance 2: docs/latent.md).
 
 {chr(10).join(state)}"""

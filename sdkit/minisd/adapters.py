@@ -34,16 +34,18 @@ def judge_adapters(
     adapters: dict,
     sets=SETS,
     count: int = 64,
-    guidance_scale: float = 4.0,
+    guidance_scale: float | None = None,
     steps: int = 25,
     progress=None,
 ) -> dict:
-    """Judged accuracy per method and set: the native encoder, then each adapter on the new one."""
+    """Judged accuracy per method and set: the native encoder, then each adapter on the new one
+    (guidance_scale: the model's own by default)."""
     from ..adapter import adapted_embeddings
 
     if new.max_length != pipe.spec.max_length:
         raise ValueError(f"the new encoder reads {new.max_length} tokens, the mini SD {pipe.spec.max_length}")
     check_images_fit(count, pipe.spec.image_size, "judging")
+    guidance_scale = pipe.guidance(guidance_scale)
     start = time.perf_counter()
     results: dict[str, dict] = {"native": {}}
     for set_name in sets:

@@ -99,7 +99,7 @@ def compare_token_conditions(
     pipe: MiniSDPipeline,
     pooled_pipe: MiniSDPipeline | None = None,
     count: int = 64,
-    guidance_scale: float = 4.0,
+    guidance_scale: float | None = None,
     steps: int = 25,
     grid_prompts: int = 3,
     model_name: str = "model",
@@ -117,6 +117,7 @@ def compare_token_conditions(
             f"train --conditioning pooled); this one was trained on {pooled_pipe.spec.conditioning}"
         )
     check_images_fit(count, pipe.spec.image_size, "judging")
+    guidance_scale = pipe.guidance(guidance_scale)
     start = time.perf_counter()
     results: dict[str, dict] = {}
     grid: dict[str, list] = {}

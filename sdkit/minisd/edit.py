@@ -65,12 +65,12 @@ def edit_images(
     settings: EditSettings,
     seeds: list[int],
     steps: int = 25,
-    guidance_scale: float = 4.0,
+    guidance_scale: float | None = None,
     pairs_per_batch: int = 16,
     progress=None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(source images, edited images), each pair sampled in one batch from its seed's noise, the
-    edited branch under Prompt-to-Prompt."""
+    edited branch under Prompt-to-Prompt (guidance_scale: the model's own by default)."""
     if pipe.spec.conditioning != "tokens":
         raise SdkitError("editing reads the cross-attention over a prompt's tokens; this model reads one pooled state")
     if not len(sources) == len(edits) == len(seeds) or not sources:

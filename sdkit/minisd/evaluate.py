@@ -125,7 +125,7 @@ def evaluate(
     pipe: MiniSDPipeline,
     sets=SETS,
     count: int = 64,
-    guidance_scale: float = 4.0,
+    guidance_scale: float | None = None,
     steps: int = 25,
     sampler: str = "ddim",
     floors: bool = True,
@@ -134,7 +134,8 @@ def evaluate(
     steering=None,
     set_seed: int = EVAL_SET_SEED,
 ) -> Evaluation:
-    """Generate `count` images per set (image i from seed i) and judge them, with the floors.
+    """Generate `count` images per set (image i from seed i) and judge them, with the floors, at
+    `guidance_scale` (the model's own by default: MiniSDPipeline.guidance).
 
     `set_seed` draws the sets' captions: another one gives other captions (settings can be chosen
     on one draw and reported on the default one).
@@ -147,6 +148,7 @@ def evaluate(
     from ..presets import build_unet
 
     check_images_fit(count * (1 + 2 * floors + (steering is not None)), pipe.spec.image_size, "judging")
+    guidance_scale = pipe.guidance(guidance_scale)
     start = time.perf_counter()
     scenes = {name: prompt_set(name, count, seed=set_seed) for name in sets}
     results: dict[str, dict] = {"model": {}, "judge on generator images": {}, "judge, blurred generator images": {}}

@@ -48,7 +48,7 @@ class Leakage:
         return asdict(self)
 
 
-def generated_pairs(pipe, count: int, guidance_scale: float = 4.0, steps: int = 25, progress=None):
+def generated_pairs(pipe, count: int, guidance_scale: float | None = None, steps: int = 25, progress=None):
     """The model's images for `count` pair prompts, each object's mask found by the judge by its shape
     (None where the two shapes are one, or a shape is missing), and the judge's verdicts."""
     from .evaluate import prompt_set

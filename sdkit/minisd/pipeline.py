@@ -24,6 +24,7 @@ import torch
 
 from ..common import MODEL_FOLDER, SdkitError, atomic_folder, available_memory, first_line, format_bytes, write_json
 from ..encoders import TextEncoder
+from . import SAMPLING_GUIDANCE
 from .data import from_model
 
 SPEC_FILE = "minisd.json"
@@ -68,6 +69,11 @@ class MiniSDSpec:
     # departure, for the ablation).
     place_embeddings: bool = False
     training: dict = field(default_factory=dict)
+
+    @property
+    def guidance_scale(self) -> float:
+        """The guidance this mini SD samples at when none is asked for (SAMPLING_GUIDANCE)."""
+        return SAMPLING_GUIDANCE[self.space]
 
     @classmethod
     def read(cls, folder: str | os.PathLike) -> MiniSDSpec:
@@ -425,11 +431,15 @@ class MiniSDPipeline:
             raise SdkitError(f"unknown sampler {name!r}; choose one of {', '.join(classes)}")
         return classes[name].from_config(self.scheduler_config)
 
+    def guidance(self, scale: float | None) -> float:
+        """`scale`, or this model's own guidance (spec.guidance_scale) when it is None."""
+        return self.spec.guidance_scale if scale is None else scale
+
     def __call__(
         self,
         prompt: str | list[str] | None = None,
         num_inference_steps: int = 25,
-        guidance_scale: float = 4.0,
+        guidance_scale: float | None = None,
         generator=None,
         seeds: list[int] | None = None,
         sampler: str = "ddim",
@@ -444,6 +454,7 @@ class MiniSDPipeline:
     ) -> MiniSDOutput:
         """Generate one image per prompt (or per row of prompt_embeds), with diffusers' argument names.
 
+        guidance_scale defaults to the model's own (spec.guidance_scale: 4 in pixels, 2 in latents).
         The starting noise of image i comes from seeds[i] (so any image can be made again alone), or
         from `generator` (one torch.Generator per image, or one for all); by default seeds 0, 1, ...
         negative_prompt_embeds defaults to the encoding of the empty prompt, as in training. With
@@ -455,6 +466,7 @@ class MiniSDPipeline:
         the scheduler steps; first_image is the batch's first image's index.
         """
         steps = num_inference_steps
+        guidance_scale = self.guidance(guidance_scale)
         trained = self.scheduler_config.get("num_train_timesteps", 1000)
         for name, value in (("num_inference_steps", steps), ("batch_size", batch_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

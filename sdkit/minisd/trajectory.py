@@ -81,10 +81,16 @@ def two_colour_pairs(count: int) -> tuple[list, list[str], list[str]]:
 
 
 def relation_by_step(
-    pipe, count: int = 64, guidance_scale: float = 4.0, steps: int = 25, model_name: str = "model", progress=None
+    pipe,
+    count: int = 64,
+    guidance_scale: float | None = None,
+    steps: int = 25,
+    model_name: str = "model",
+    progress=None,
 ) -> RelationSteps:
     """The evaluation's first `count` pair prompts (those with two colours), each sampled with
     "left of" and with "right of" from seed i, read step by step (see the module's docstring)."""
+    guidance_scale = pipe.guidance(guidance_scale)
     start = time.perf_counter()
     scenes, first, second = two_colour_pairs(count)
     scheduler = pipe.scheduler()
@@ -168,7 +174,7 @@ def caption_against_noise(
     pipe,
     count: int = 64,
     timesteps=CONFLICT_TIMESTEPS,
-    guidance_scale: float = 4.0,
+    guidance_scale: float | None = None,
     seed: int = 0,
     model_name: str = "model",
 ) -> CaptionAgainstNoise:
@@ -189,6 +195,7 @@ def caption_against_noise(
 
     from .data import render, swapped_objects, to_model
 
+    guidance_scale = pipe.guidance(guidance_scale)
     start = time.perf_counter()
     scenes, first, second = two_colour_pairs(count)
     asked = torch.tensor(
