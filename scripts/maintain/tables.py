@@ -671,16 +671,9 @@ def latent_runs_table() -> str:
                 pct(run["pairs_left_right_if_bound"]),
             ]
         )
-    headers = [
-        "run",
-        "steps",
-        "judged at guidance",
-        "trained in",
-        "singles all",
-        "pairs all [95 % CI]",
-        "held-out pairs all",
-    ]
-    return markdown([*headers, "pairs colour", "pairs extra objects", "pairs left/right if bound"], rows)
+    headers = ["run", "steps", "judged at guidance", "trained in", "singles all", "pairs all [95 % CI]"]
+    headers += ["held-out pairs all", "pairs colour", "pairs extra objects", "pairs left/right if bound"]
+    return markdown(headers, rows)
 
 
 def latent_guidance_table() -> str:
