@@ -10,6 +10,7 @@ import torch
 
 from sdkit.common import SdkitError
 from sdkit.encoders import for_stock_pipeline
+from sdkit.minisd.data import all_captions
 from sdkit.minisd.pipeline import MiniSDPipeline, MiniSDSpec
 from sdkit.minisd.train import TrainSettings, train
 from sdkit.minisd.vae import VAE_CONFIG, VAESettings, judge_round_trips, measure_scaling_factor, train_vae
@@ -468,6 +469,60 @@ def test_a_latent_run_denoises_posterior_draws_or_the_posterior_mean(bert, micro
     assert latent_defaults("--posterior", posterior).posterior == posterior
     with pytest.raises(SdkitError, match="posterior is a latent run's"):
         TrainSettings(posterior="mean").check()
+
+
+def test_a_latent_pool_is_the_streams_first_images_encoded_once(bert, micro_vae, tmp_path, monkeypatch):
+    """TrainSettings.latent_pool: each pass shows every pooled image once, in its own order, with its
+    own caption and mask; a batch's latents are the draw scaled_latents makes of its images; the pool
+    is read back from the cache; a run with a pool encodes nothing at its steps."""
+    from sdkit.minisd.data import sample_at, to_model
+    from sdkit.minisd.pipeline import load_vae, scaled_latents
+    from sdkit.minisd.train import batch_at, encode_captions, encode_pool
+
+    vae = load_vae(micro_vae[0])
+    settings = TrainSettings(batch_size=3, image_size=32, space="latents", latent_pool=6, empty_fraction=0)
+    captions = encode_captions(for_stock_pipeline(bert, 24), ["", *all_captions()], None, progress=False)
+    batches = [batch_at(step, settings, captions) for step in range(6)]
+    images = torch.cat([b.images for b in batches]).tolist()
+    passes = [images[0:6], images[6:12], images[12:18]]
+    assert all(sorted(p) == list(range(6)) for p in passes)
+    assert len({tuple(p) for p in passes}) == 3  # a new order each pass
+    for batch in batches[:2]:
+        for image, pixels, caption in zip(batch.images.tolist(), batch.pixels, batch.captions):
+            sample = sample_at(settings.seed, image, 32, settings.pair_fraction)
+            assert caption == sample.caption
+            assert torch.equal(pixels, torch.from_numpy(to_model(sample.image)))
+
+    pool = encode_pool(vae, settings, tmp_path, progress=False)
+    assert pool.mean.shape == (6, 4, 4, 4) and pool.std.min() > 0
+    for batch in batches[:2]:
+        for seed in (None, 3):  # the posterior's mean, a draw
+            expected = scaled_latents(vae, batch.pixels, seed and torch.Generator().manual_seed(seed))
+            drawn = pool.draw(batch.images, seed and torch.Generator().manual_seed(seed))
+            # to 1e-4 of latents whose deviation is 1: the pool was encoded in batches of another size,
+            # whose convolutions sum in another order; another image's latents stand apart by 0.1s
+            torch.testing.assert_close(drawn, expected, rtol=0, atol=1e-4)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the VAE encoded again")
+
+    monkeypatch.setattr(vae, "encode", refuse)
+    cached = encode_pool(vae, settings, tmp_path, progress=False)
+    assert torch.equal(cached.mean, pool.mean) and torch.equal(cached.std, pool.std)
+    monkeypatch.undo()
+    (written,) = tmp_path.glob("minisd-latents-*.safetensors")
+    written.write_bytes(b"damaged")
+    torch.testing.assert_close(encode_pool(vae, settings, tmp_path, progress=False).mean, pool.mean)
+
+    seen = micro_latent_run(bert, micro_vae, tmp_path / "m", monkeypatch, latent_pool=4)
+    assert seen == []  # the pool's encode is the VAE's only one
+    training = json.loads((tmp_path / "m" / "minisd.json").read_text())["training"]
+    assert training["settings"]["latent_pool"] == 4 and training["latent_pool_seconds"] >= 0
+    assert latent_defaults("--latent-pool", "8").latent_pool == 8
+    with pytest.raises(SdkitError, match="latent_pool is a latent run's"):
+        TrainSettings(latent_pool=8).check()
+    with pytest.raises(SdkitError, match="latent_pool must be 0"):
+        TrainSettings(space="latents", place_embeddings=False, latent_pool=-1).check()
 
 
 def test_scaled_latents_are_the_posterior_mean_or_a_draw_from_it(micro_vae):

@@ -83,6 +83,7 @@ def train_settings(args, vae=None):
         timestep_bias_from=args.timestep_bias_from,
         precision=args.precision,
         posterior=args.posterior,
+        latent_pool=args.latent_pool,
         compile=not args.no_compile,
     )
     if vae is None:
@@ -596,6 +597,14 @@ def register(sub) -> None:
         choices=POSTERIORS,
         default="sample",
         help="with --vae: train on draws from the VAE's posterior (sample, SD's recipe) or on its mean",
+    )
+    q.add_argument(
+        "--latent-pool",
+        type=nonnegative_int,
+        default=0,
+        metavar="N",
+        help="with --vae: encode the stream's first N images once and train on them, a new order each pass "
+        "(default 0: every image new, encoded at its step)",
     )
     q.add_argument(
         "--timestep-bias",

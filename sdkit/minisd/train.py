@@ -14,6 +14,7 @@ the very same weights as a run that never stopped.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import json
 import math
@@ -135,6 +136,12 @@ class TrainSettings:
     # in the background, 0.07 on the objects, of scaled latents whose std is 1): noise the U-Net
     # must learn to draw and the decoder ignores. Sampling is the same either way.
     posterior: str = "sample"
+    # A latent run's images. 0: every sample a new image of the stream, encoded by the VAE at its step
+    # (a third of a step on 2 CPU cores). N: the stream's first N images, encoded once before the first
+    # step (and cached beside the captions' states), each pass over them in a new order and each use a
+    # new draw from the image's posterior, as training scripts that cache SD's latents do. The pool's
+    # encoding is part of the run's time.
+    latent_pool: int = 0
     # "bf16": torch's autocast (bfloat16 convolutions and matmuls on float32 weights); "bf16-fp32-ends":
     # the same with the U-Net's first and last layers in float32 (ends_in_float32); "fp32";
     # "auto": bf16-fp32-ends on a GPU that has bfloat16, fp32 on a CPU (resolve_precision).
@@ -197,6 +204,10 @@ class TrainSettings:
             raise SdkitError(f"unknown posterior {self.posterior!r}; choose one of {', '.join(POSTERIORS)}")
         if self.space == "pixels" and self.posterior != "sample":
             raise SdkitError("posterior is a latent run's: a pixel mini SD denoises the images themselves")
+        if self.latent_pool < 0:
+            raise SdkitError(f"latent_pool must be 0 (no pool) or a number of images, not {self.latent_pool}")
+        if self.space == "pixels" and self.latent_pool:
+            raise SdkitError("latent_pool is a latent run's: a pixel mini SD has no VAE encode to save")
         if self.space == "latents" and self.coordinates:
             raise SdkitError(
                 "a latent mini SD is a stock StableDiffusionPipeline, whose pipeline feeds the U-Net the "
@@ -219,6 +230,7 @@ ADDED_SETTINGS = {
     "lr_schedule": "cosine",
     "space": "pixels",
     "posterior": "sample",
+    "latent_pool": 0,
 }
 
 
@@ -312,6 +324,77 @@ def encode_captions(
     return CaptionStates(captions, states, lengths, encoder.max_length)
 
 
+# --- a latent run's pool of images, encoded once ---------------------------------------------------
+
+
+@dataclass
+class LatentPool:
+    """The VAE posteriors of the stream's first images, scaled as the U-Net reads latents."""
+
+    mean: torch.Tensor  # (images, 4, h, w) float32
+    std: torch.Tensor  # (images, 4, h, w) float32
+
+    def draw(self, images: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        """The latents of `images` (stream indices): each posterior's mean, or with a generator a
+        draw from it, the draw scaled_latents makes of those images with that generator."""
+        mean = self.mean[images]
+        if generator is None:
+            return mean
+        return mean + self.std[images] * torch.randn(mean.shape, generator=generator)
+
+
+def encode_pool(
+    vae,
+    settings: TrainSettings,
+    cache_dir: str | os.PathLike | None,
+    batch_size: int = 64,
+    progress: bool = True,
+) -> LatentPool:
+    """Encode the stream's first settings.latent_pool images (or read them from the cache, keyed by
+    the VAE's weights, the stream and whether the encode runs in bfloat16, as settings.precision says)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file, save_file
+    from tqdm import tqdm
+
+    key_data = {
+        "format": 1,
+        "vae": vae_fingerprint(vae),
+        "seed": settings.seed,
+        "image_size": settings.image_size,
+        "pair_fraction": settings.pair_fraction,
+        "images": settings.latent_pool,
+        "bf16": settings.precision.startswith("bf16"),
+    }
+    key = hashlib.sha256(json.dumps(key_data, sort_keys=True).encode()).hexdigest()[:16]
+    path = Path(cache_dir) / f"minisd-latents-{key}.safetensors" if cache_dir else None
+    if path and path.is_file():
+        try:
+            tensors = load_file(path)
+            if tensors["mean"].shape[0] == settings.latent_pool:
+                return LatentPool(tensors["mean"], tensors["std"])
+        except (SafetensorError, KeyError, OSError):
+            pass  # damaged: encode again and replace it
+    device, scale = vae.device, vae.config.scaling_factor
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=settings.precision.startswith("bf16"))
+    means, stds = [], []
+    starts = range(0, settings.latent_pool, batch_size)
+    for start in tqdm(starts, desc="encoding the latent pool", unit="batch", disable=None if progress else True):
+        stop = min(start + batch_size, settings.latent_pool)
+        images = [
+            sample_at(settings.seed, i, settings.image_size, settings.pair_fraction).image for i in range(start, stop)
+        ]
+        pixels = torch.from_numpy(np.stack([to_model(image) for image in images])).to(device)
+        with torch.no_grad(), autocast:  # as scaled_latents encodes at a step
+            dist = vae.encode(pixels.to(vae.dtype, memory_format=torch.channels_last)).latent_dist
+        means.append((dist.mean * scale).float().cpu())
+        stds.append((dist.std * scale).float().cpu())
+    pool = LatentPool(torch.cat(means).contiguous(), torch.cat(stds).contiguous())
+    if path:
+        with atomic_path(path) as tmp:
+            save_file({"mean": pool.mean, "std": pool.std}, str(tmp))
+    return pool
+
+
 # --- batches ---------------------------------------------------------------------------------------
 
 
@@ -323,6 +406,22 @@ class Batch(NamedTuple):
     captions: list[str]  # "" where dropped for guidance
     masks: torch.Tensor  # (n, 2, H, W) float: each object's mask, zeros where the image has no second object
     noised_from: torch.Tensor  # (n, 3, H, W): the image the noise is added to (pixels, or a pair swapped)
+    images: torch.Tensor  # (n,) long: each sample's image, its index in the stream (image_index)
+
+
+def image_index(settings: TrainSettings, sample: int) -> int:
+    """The stream index of the image that the run's sample-th sample shows: the sample's own, or
+    with a latent pool, the pool's image at that place of this pass's order."""
+    if not settings.latent_pool:
+        return sample
+    rank, place = divmod(sample, settings.latent_pool)
+    return int(pool_order(settings.seed, rank, settings.latent_pool)[place])
+
+
+@functools.lru_cache(maxsize=2)
+def pool_order(seed: int, rank: int, size: int) -> torch.Tensor:
+    """The order of the rank-th pass over a latent pool of `size` images."""
+    return torch.randperm(size, generator=torch.Generator().manual_seed(hash_seed(seed, rank, "pool")))
 
 
 def batch_at(
@@ -331,10 +430,8 @@ def batch_at(
     """This process's share of the batch of `step`."""
     per_process = settings.batch_size // processes
     first = step * settings.batch_size + process * per_process
-    samples = [
-        sample_at(settings.seed, i, settings.image_size, settings.pair_fraction)
-        for i in range(first, first + per_process)
-    ]
+    images = [image_index(settings, i) for i in range(first, first + per_process)]
+    samples = [sample_at(settings.seed, image, settings.image_size, settings.pair_fraction) for image in images]
     texts = [
         "" if random.Random(f"drop:{settings.seed}:{i}").random() < settings.empty_fraction else s.caption
         for i, s in zip(range(first, first + per_process), samples)
@@ -354,15 +451,24 @@ def batch_at(
     noised_from = pixels
     if settings.swap_fraction:
         noised_from = pixels.clone()
-        for i, (index, sample) in enumerate(zip(range(first, first + per_process), samples)):
+        for i, (index, image, sample) in enumerate(zip(range(first, first + per_process), images, samples)):
             if (
                 len(sample.masks) == 2
                 and timesteps[i] >= settings.swap_from
                 and random.Random(f"swap:{settings.seed}:{index}").random() < settings.swap_fraction
             ):
-                swapped = sample_at(settings.seed, index, settings.image_size, settings.pair_fraction, swapped=True)
+                swapped = sample_at(settings.seed, image, settings.image_size, settings.pair_fraction, swapped=True)
                 noised_from[i] = torch.from_numpy(to_model(swapped.image))
-    return Batch(pixels, captions.lookup(texts, settings.conditioning), noise, timesteps, texts, masks, noised_from)
+    return Batch(
+        pixels,
+        captions.lookup(texts, settings.conditioning),
+        noise,
+        timesteps,
+        texts,
+        masks,
+        noised_from,
+        torch.tensor(images),
+    )
 
 
 def draw_timesteps(settings: TrainSettings, generator: torch.Generator) -> torch.Tensor:
@@ -904,7 +1010,17 @@ def train(
     # what a diverged run should change: the attention losses' weights when they dwarf the denoising loss's 1
     heavy = [f"--{name}-weight" for name, weight in attention_weights.items() if weight > 100]
     remedy = f"lower {' and '.join(heavy)}" if heavy else "try a lower lr"
-    began = window_began = time.perf_counter()
+    began = time.perf_counter()
+    # built after the clock starts: the pool's encode is part of the run's time (and read from the
+    # cache when a stopped run resumes)
+    pool = (
+        encode_pool(vae, settings, cache_dir, progress=progress and accelerator.is_main_process)
+        if settings.latent_pool
+        else None
+    )
+    if pool is not None:
+        trained_on["latent_pool_seconds"] = round(time.perf_counter() - began, 1)
+    window_began = time.perf_counter()
     unread, window = [], []  # per step: [loss, total, *attention losses]; tensors, then floats
     with (
         freed_memory_kept(),
@@ -929,8 +1045,10 @@ def train(
                 # Under bf16 the frozen VAE encodes in bfloat16 too, as diffusers' text-to-image
                 # script casts its VAE to the weight dtype: on the CPU it halves the encoder's third
                 # of a step, and moves the scaled latents by 0.004 RMS (colours stand 0.4 apart).
+                # A pair swapped in is not in the pool: with swap_fraction, the images the noise is added
+                # to are encoded at their step, pool or not.
                 with autocast:
-                    pixels = scaled_latents(vae, pixels, draw)
+                    pixels = pool.draw(batch.images, draw).to(device) if pool else scaled_latents(vae, pixels, draw)
                     noised_from = pixels if not settings.swap_fraction else scaled_latents(vae, noised_from, draw)
             if settings.swap_fraction:
                 noisy, noise = noised_from_swapped(pixels, noised_from, noise, timesteps, noise_scheduler)
