@@ -50,6 +50,13 @@ class EditSettings:
     # A bidirectional encoder (the mini SD's MiniLM) changes every token's, so the unchanged words'
     # values, which P2P's injected maps then mix, are no longer the source's. Not in P2P; off by default.
     source_states: bool = False
+    # With classifier-free guidance, the unconditional half is edited too: for the same fractions of
+    # steps, the edited branch's unconditional pass reads the source's unconditional weights (cross-
+    # and self-attention; both read the empty prompt, so no alignment or reweighting there). P2P edits
+    # the conditional half only, and the two unconditional passes part as the two latents part: a
+    # difference the guided prediction takes with weight 1 - scale (-3 at the pixel mini SD's 4).
+    # Not in P2P; off by default.
+    unconditional: bool = False
 
     def check(self) -> None:
         for name in ("cross_replace", "self_replace", "blend_threshold"):
@@ -71,6 +78,8 @@ class EditSettings:
             parts.append(f"blended where the changed words attend (> {self.blend_threshold:g} of peak)")
         if self.source_states:
             parts.append("unchanged words' states from the source")
+        if self.unconditional:
+            parts.append("the unconditional half's too")
         return ", ".join(parts)
 
 
@@ -115,10 +124,14 @@ class EditProcessor:
         (h0, h1), (e0, e1), (m0, m1), (t0, t1) = map(
             split, (hidden_states, encoder_hidden_states, attention_mask, temb)
         )
-        unconditional = self.original(attn, h0, e0, m0, t0, *args, **kwargs)
+        # (local blending alone reads a cross-attention layer past cross_replace: the conditional half's)
+        if self.edit.settings.unconditional and (not self.cross or self.edit.step < self.edit.cross_steps):
+            unconditional = self._edited_attention(attn, h0, e0, m0, t0, conditional=False)
+        else:
+            unconditional = self.original(attn, h0, e0, m0, t0, *args, **kwargs)
         return torch.cat([unconditional, self._edited_attention(attn, h1, e1, m1, t1)])
 
-    def _edited_attention(self, attn, hidden_states, encoder_hidden_states, attention_mask, temb):
+    def _edited_attention(self, attn, hidden_states, encoder_hidden_states, attention_mask, temb, conditional=True):
         """diffusers' AttnProcessor on the (source, edited) branches, their weights edited."""
         residual = hidden_states
         if attn.spatial_norm is not None:
@@ -141,7 +154,10 @@ class EditProcessor:
         key = attn.head_to_batch_dim(attn.to_k(encoder_hidden_states))
         value = attn.head_to_batch_dim(attn.to_v(encoder_hidden_states))
         probs = attn.get_attention_scores(attn.head_to_batch_dim(query), key, attention_mask)
-        probs = self.edit.edited(self.name, probs, attn.heads, self.cross)
+        if conditional:
+            probs = self.edit.edited(self.name, probs, attn.heads, self.cross)
+        else:
+            probs = self.edit.unconditional_edited(probs, attn.heads)
         hidden_states = attn.batch_to_head_dim(torch.bmm(probs, value))
         hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))
         if input_ndim == 4:
@@ -307,6 +323,14 @@ class PromptEdit:
             sources = torch.arange(first, first + 2 * self.pairs, 2, device=sample.device)
             sample[sources + 1] = torch.where(mask, sample[sources + 1], sample[sources])
         return output
+
+    def unconditional_edited(self, probs: torch.Tensor, heads: int) -> torch.Tensor:
+        """The unconditional weights (batch * heads, cells, tokens or cells), the edited branches'
+        the source's (settings.unconditional)."""
+        probs = probs.view(probs.shape[0] // heads, heads, *probs.shape[1:])
+        sources = torch.arange(0, 2 * self.pairs, 2, device=probs.device)
+        probs[sources + 1] = probs[sources]
+        return probs.view(-1, *probs.shape[2:])
 
     def edited(self, name: str, probs: torch.Tensor, heads: int, cross: bool) -> torch.Tensor:
         """The conditional weights (batch * heads, cells, tokens), the edited branches' replaced."""

@@ -227,6 +227,44 @@ def test_an_edit_runs_the_unconditional_half_through_the_layers_own_processor(pi
         assert processor.batches == ([2, 2, 4, 4] if edited else [4, 4, 4, 4]), name
 
 
+def test_asked_to_the_unconditional_half_is_edited_too(pipe, monkeypatch):
+    """EditSettings.unconditional: while a layer injects, the edited branch's unconditional weights
+    are the source's (cross-attention for the first 2 of 4 steps, the coarse self-attention for the
+    first 1); elsewhere the unconditional half is the layer's own, and with nothing to inject the
+    image is the plain call's to the bit."""
+    injected = []
+    own = PromptEdit.unconditional_edited
+
+    def recording(self, probs, heads):
+        probs = own(self, probs, heads)
+        branches = probs.view(2, heads, *probs.shape[1:])  # (source, edited) of the unconditional half
+        assert torch.equal(branches[0], branches[1])
+        injected.append((self.step, "cross" if probs.shape[-1] == pipe.tokenizer.model_max_length else "self"))
+        return probs
+
+    monkeypatch.setattr(PromptEdit, "unconditional_edited", recording)
+    settings = EditSettings(cross_replace=0.5, self_replace=0.25, self_max_cells=256, unconditional=True)
+    edit_sd(pipe, SOURCE, EDITED, settings, 4, output_type="np")
+    cross_layers = sum(name.endswith("attn2.processor") for name in pipe.unet.attn_processors)
+    coarse_self_layers = len(injected) - 2 * cross_layers  # the 16x16 level's
+    assert coarse_self_layers > 0
+    assert sorted(injected) == sorted(
+        [(0, "cross")] * cross_layers + [(1, "cross")] * cross_layers + [(0, "self")] * coarse_self_layers
+    )
+    injected.clear()
+    nothing = edit_sd(
+        pipe, SOURCE, EDITED, EditSettings(cross_replace=0.0, unconditional=True), STEPS, output_type="np"
+    )
+    assert injected == [] and np.array_equal(nothing, plain(pipe, [SOURCE, EDITED]))
+    without = edit_sd(pipe, SOURCE, EDITED, EditSettings(cross_replace=1.0), STEPS, output_type="np")
+    with_it = edit_sd(
+        pipe, SOURCE, EDITED, EditSettings(cross_replace=1.0, unconditional=True), STEPS, output_type="np"
+    )
+    # the source's image is the plain source's (to float tolerance: its unconditional half is now computed
+    # explicitly); the edited one moves, from the second step on (at the first, the two halves read one noise)
+    assert np.allclose(with_it[0], without[0], atol=1e-5) and np.abs(with_it[1] - without[1]).max() > 1e-4
+
+
 # --- on the mini SD: edit sets, the judge of an edit, the command ------------------------------------
 
 

@@ -413,6 +413,7 @@ def cmd_minisd_edit(args) -> None:
         local_blend=args.local_blend,
         blend_threshold=args.blend_threshold,
         source_states=args.source_states,
+        unconditional=args.unconditional,
     )
     settings.check()
     if not args.local_blend:
@@ -444,6 +445,7 @@ def cmd_minisd_edit(args) -> None:
             "local_blend": settings.local_blend,
             "blend_threshold": settings.blend_threshold if settings.local_blend else None,
             "source_states": settings.source_states,
+            "unconditional": settings.unconditional,
             "steps": args.steps,
             "guidance_scale": args.guidance,
             "picture": args.out,
@@ -739,6 +741,12 @@ def register(sub) -> None:
         action="store_true",
         help="the edited prompt's unchanged words read the source's token states (for a bidirectional text "
         "encoder such as the mini SD's, whose every state a swapped word changes; not in P2P)",
+    )
+    q.add_argument(
+        "--unconditional",
+        action="store_true",
+        help="inject into the unconditional half of guidance too, for the same fractions of steps (not in P2P, "
+        "which edits the conditional half only)",
     )
     q.add_argument(
         "--seeds", type=at_most(256, "a picture holds 256 rows"), default=4, help="edits (seeds first-seed, +1, ...)"

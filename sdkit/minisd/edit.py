@@ -195,6 +195,7 @@ def study_row(
         "reweight": settings.reweight,
         "local_blend": settings.local_blend,
         "source_states": settings.source_states,
+        "unconditional": settings.unconditional,
         "seed": seed,
         "seconds": time.perf_counter() - start,
         **rates(judged),
