@@ -678,12 +678,14 @@ def latent_runs_table() -> str:
 
 def latent_guidance_table() -> str:
     """Judged pairs against the guidance scale, per model and draw of captions."""
+    from sdkit.minisd import EVAL_SET_SEED
+
     rows = load("guidance")["rows"]
     scales = sorted({r["guidance"] for r in rows})
     lines = []
     for model, seed in dict.fromkeys((r["model"], r["set_seed"]) for r in rows):
         cells = {r["guidance"]: r for r in rows if (r["model"], r["set_seed"]) == (model, seed) and r["set"] == "pairs"}
-        draw = "eval's (1234)" if seed == 1234 else f"another ({seed})"
+        draw = f"eval's ({seed})" if seed == EVAL_SET_SEED else f"another ({seed})"
         lines.append(
             [model, draw]
             + [f"{pct(cells[g]['all'])} ({pct(cells[g]['extra'])})" if g in cells else "-" for g in scales]

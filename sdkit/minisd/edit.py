@@ -19,6 +19,7 @@ import numpy as np
 
 from ..common import SdkitError
 from ..editing import EditSettings, PromptEdit
+from . import EVAL_SET_SEED
 from .data import COLOURS, SHAPES, Scene
 from .evaluate import prompt_set
 from .judge import find_objects, judge
@@ -52,7 +53,7 @@ def edited_scene(scene: Scene, kind: str) -> Scene:
     raise SdkitError(f"unknown edit {kind!r}; choose from {', '.join(EDITS)}")
 
 
-def edit_set(kind: str, count: int, seed: int = 1234) -> list[tuple[Scene, Scene]]:
+def edit_set(kind: str, count: int, seed: int = EVAL_SET_SEED) -> list[tuple[Scene, Scene]]:
     """(source scene, edited scene) pairs of an edit set: the evaluation's singles or pairs."""
     scenes = prompt_set("pairs" if kind in ("colour_pair", "relation") else "singles", count, seed=seed)
     return [(scene, edited_scene(scene, kind)) for scene in scenes]
