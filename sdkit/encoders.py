@@ -207,10 +207,11 @@ def for_stock_pipeline(encoder: TextEncoder, max_length: int) -> TextEncoder:
 
 
 def encoder_fingerprint(encoder: TextEncoder) -> dict:
-    """What decides an encoder's states: its config, tokenizer, weights files and settings.
+    """What decides an encoder's states: its config, tokenizer, weights and settings.
 
-    Weights files are identified by name, size and modification time (hashing GBs per run would
-    cost more than the encoding the cache saves).
+    The weights files by their bytes (file_sha256), not by where they are or when they were
+    written: the same encoder fetched again, or moved, keeps its cached states and lets a stopped
+    run resume.
     """
     model_dir, tokenizer_dir = Path(encoder.model.name_or_path), Path(encoder.tokenizer.name_or_path)
     files = sorted(p for p in model_dir.iterdir() if p.is_file() and p.suffix in (".safetensors", ".bin"))
@@ -218,14 +219,32 @@ def encoder_fingerprint(encoder: TextEncoder) -> dict:
     for p in sorted(tokenizer_dir.iterdir()):
         if p.name in ("vocab.json", "merges.txt", "vocab.txt", "tokenizer.json", "tokenizer_config.json"):
             digest.update(p.read_bytes())
+    config = encoder.model.config.to_diff_dict()
+    config.pop("_name_or_path", None)
     return {
-        "source": str(model_dir.resolve()),
-        "config": encoder.model.config.to_diff_dict(),
-        "weights": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files],
+        "config": config,
+        "weights": [[p.name, file_sha256(p)] for p in files],
         "tokenizer_sha256": digest.hexdigest(),
         "layer": encoder.layer,
         "max_length": encoder.max_length,
     }
+
+
+_FILE_HASHES: dict[tuple, str] = {}
+
+
+def file_sha256(path: Path) -> str:
+    """A file's SHA-256, read once per process for each (path, size, modification time): about a
+    second for a GB, against minutes of encoding or training that a fingerprint guards."""
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key not in _FILE_HASHES:
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+        _FILE_HASHES[key] = digest.hexdigest()
+    return _FILE_HASHES[key]
 
 
 # --- token roles --------------------------------------------------------------------------------

@@ -512,6 +512,30 @@ def test_training_saves_resumes_and_reloads_bit_exactly(bert, tmp_path, precisio
         train(tmp_path / "other", bert, settings(lr=5e-4), config, tmp_path / "ck-whole", 1, tmp_path / "cache", False)
 
 
+def test_a_checkpoint_resumes_with_the_same_encoder_fetched_again_and_refuses_other_bytes(bert, tmp_path):
+    """The run's fingerprint names the encoder's weights by their bytes: a copy elsewhere, written
+    later, resumes the run; one changed byte (same size, same folder) is another run."""
+    import os
+    import shutil
+
+    from sdkit.encoders import load_text_encoder
+
+    config = micro_config(bert.width)
+    with pytest.raises(Interrupted):
+        train(tmp_path / "m", bert, _settings(), config, tmp_path / "ck", 1, None, False, stop_after=1)
+    again = Path(shutil.copytree(bert.source, tmp_path / "fetched-again"))
+    weights = next(again.glob("*.safetensors"))
+    later = weights.stat().st_mtime_ns + 10**10
+    os.utime(weights, ns=(later, later))
+    resumed = train(tmp_path / "m", load_text_encoder(again), _settings(), config, tmp_path / "ck", 1, None, False)
+    assert resumed.resumed_from == 1
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # the last byte of the last tensor
+    weights.write_bytes(bytes(data))
+    with pytest.raises(SdkitError, match="belongs to another run"):
+        train(tmp_path / "n", load_text_encoder(again), _settings(), config, tmp_path / "ck", 1, None, False)
+
+
 def test_auto_precision_is_float32_on_any_cpu_and_never_plain_bfloat16(monkeypatch):
     # The shipped recipe's precision: in bfloat16 it drew 42 and 23 % of pairs (seeds 0 and 1), in
     # float32 70 and 55 %; on a CPU with AMX, or an AMD EPYC's AVX512-BF16, bfloat16 is the faster.
