@@ -218,6 +218,9 @@ def row_settings(name: str, steps: int) -> tuple[TrainSettings, dict, str, str]:
 
 
 def main() -> int:
+    from sdkit.cli import quiet_libraries
+
+    quiet_libraries()  # the library's load bars and logs, as the sdkit command keeps them off stderr
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", help="comma-separated rows (default: every row, or with --trained only those)")
     parser.add_argument("--steps", type=int, default=1600, help="training steps of a row")

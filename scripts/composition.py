@@ -277,6 +277,9 @@ def draw_composition(pipe, result: dict, path, shown: int = 4) -> None:
 
 
 def main() -> int:
+    from sdkit.cli import quiet_libraries
+
+    quiet_libraries()  # the library's load bars and logs, as the sdkit command keeps them off stderr
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="weights/minisd")
     parser.add_argument("--count", type=int, default=64, help="prompts per set")

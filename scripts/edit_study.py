@@ -27,6 +27,9 @@ TUNING_SEED = 999  # the report's captions are the evaluation's own (sdkit.minis
 
 
 def main() -> int:
+    from sdkit.cli import quiet_libraries
+
+    quiet_libraries()  # the library's load bars and logs, as the sdkit command keeps them off stderr
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(ROOT / "weights" / "minisd"))
     parser.add_argument("--count", type=int, default=32, help="prompts per edit set")

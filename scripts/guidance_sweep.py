@@ -27,6 +27,9 @@ OUT = ROOT / "weights" / "minisd" / "findings" / "guidance.json"
 
 
 def main() -> None:
+    from sdkit.cli import quiet_libraries
+
+    quiet_libraries()  # the library's load bars and logs, as the sdkit command keeps them off stderr
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", action="append", required=True, metavar="NAME=FOLDER", help="repeatable")
     parser.add_argument("--guidance", required=True, help="comma-separated scales")

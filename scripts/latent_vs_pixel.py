@@ -104,6 +104,9 @@ def row(folder: Path, eval_path: Path, maps_count: int) -> dict:
 
 
 def main() -> None:
+    from sdkit.cli import quiet_libraries
+
+    quiet_libraries()  # the library's load bars and logs, as the sdkit command keeps them off stderr
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pixel", default="weights/minisd")
     parser.add_argument("--latent", default="weights/minisd-latent")

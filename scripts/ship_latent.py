@@ -26,6 +26,9 @@ WEIGHTS = "model.safetensors"
 
 
 def main() -> None:
+    from sdkit.cli import quiet_libraries
+
+    quiet_libraries()  # the library's load bars and logs, as the sdkit command keeps them off stderr
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", help="a latent mini SD folder (sdkit minisd train --vae wrote it)")
     parser.add_argument("--out", default="weights/minisd-latent")
