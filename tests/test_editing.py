@@ -307,6 +307,41 @@ def test_the_judge_of_an_edit_on_the_generators_own_images():
     assert judge_edit("colour_single", before, after, source, edited)["kept"] is False
 
 
+def test_an_edit_of_a_source_with_an_extra_object_is_judged_by_what_changed():
+    """A source drawn with an extra object (the caption's object then stands anywhere in the list
+    the judge finds) is kept when only the edited word's object changed, and only in the edited
+    attribute; an extra object that changed too, or another object, is not kept. The judge once took
+    the object at the caption's index and called every such perfect edit a failure."""
+    import random
+
+    from sdkit.minisd.data import ObjectSpec, Scene, parse_caption, render
+    from sdkit.minisd.edit import edited_scene, judge_edit
+
+    source = parse_caption("a red circle to the right of a green triangle")
+    edited = edited_scene(source, "colour_pair")  # a yellow circle to the right of a green triangle
+    circle, triangle = source.objects
+    extra = ObjectSpec("green", "triangle", circle.row, 1)  # between them: the circle is third of three
+
+    def image(*objects):
+        return render(Scene(objects), 32, random.Random(0)).image
+
+    def kept(after):
+        return judge_edit("colour_pair", image(circle, triangle, extra), after, source, edited)
+
+    yellow = ObjectSpec("yellow", "circle", circle.row, circle.column)
+    assert kept(image(yellow, triangle, extra)) == {"edited": True, "kept": True, "both": True, "source_right": False}
+    # the extra triangle recoloured too, or the edited circle turned square: not kept
+    assert not kept(image(yellow, triangle, ObjectSpec("yellow", "triangle", circle.row, 1)))["kept"]
+    assert not kept(image(ObjectSpec("yellow", "square", circle.row, circle.column), triangle, extra))["kept"]
+    # the other object recoloured instead of the edited one: neither edited nor kept
+    assert kept(image(circle, ObjectSpec("yellow", "triangle", triangle.row, triangle.column), extra)) == {
+        "edited": False,
+        "kept": False,
+        "both": False,
+        "source_right": False,
+    }
+
+
 @pytest.mark.slow  # three edits on the micro mini SD
 def test_batched_pairs_edit_as_pairs_alone(micro_minisd):
     from sdkit.minisd.edit import edit_images

@@ -131,13 +131,21 @@ def judge_edit(kind: str, source_image, edited_image, source: Scene, edited: Sce
     elif kind == "relation":  # the objects trade places: their colours and shapes stay
         kept = sorted(o[:2] for o in before) == sorted(o[:2] for o in after)
     else:
-        # the edited object: the caption's first, which is the left one of a pair "left of" the other
-        index = 0 if len(before) == 1 or source.relation == "left of" else 1
-        other = 1 if changed == "colour" else 0  # the attribute of the edited object that must stay
-        same_object = before[index][other] == after[index][other] and before[index][2:] == after[index][2:]
-        kept = same_object and [o for j, o in enumerate(before) if j != index] == [
-            o for j, o in enumerate(after) if j != index
-        ]
+        # Every object keeps its place, so the two lists (left to right) pair up; at most one object
+        # changes, only in the edited attribute, and it is the edited word's: in the source it has
+        # the caption's first object's colour (or shape). Found by what it was, not by its index: a
+        # source drawn with an extra object leaves the caption's object anywhere in the list.
+        edited_attribute = 0 if changed == "colour" else 1  # in (colour, shape, row, column)
+        was = getattr(source.objects[0], changed)
+        differing = [(b, a) for b, a in zip(before, after) if b != a]
+        kept = all(b[2:] == a[2:] for b, a in zip(before, after)) and (
+            not differing
+            or (
+                len(differing) == 1
+                and differing[0][0][edited_attribute] == was
+                and differing[0][0][1 - edited_attribute] == differing[0][1][1 - edited_attribute]
+            )
+        )
     is_edited = bool(getattr(verdict, changed))
     # an edit of a source the model drew wrong (an extra object, a wrong shape) is measured against
     # that source; whether the source was right says which failures are the edit's own
