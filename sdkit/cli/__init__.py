@@ -59,6 +59,11 @@ def quiet_libraries() -> None:
     )
     for name in ("diffusers", "transformers", "accelerate", "huggingface_hub", "torch", "matplotlib"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
+    if "transformers" in sys.modules:  # imported already (a script's imports): its env settings were read
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.set_verbosity_error()
+        transformers_logging.disable_progress_bar()
 
 
 def main(argv: list[str] | None = None) -> int:
