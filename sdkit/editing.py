@@ -124,7 +124,8 @@ class EditProcessor:
         (h0, h1), (e0, e1), (m0, m1), (t0, t1) = map(
             split, (hidden_states, encoder_hidden_states, attention_mask, temb)
         )
-        # (local blending alone reads a cross-attention layer past cross_replace: the conditional half's)
+        # injected where the conditional half is (past cross_replace a cross-attention layer is here only
+        # for local blending, which reads the conditional half's maps)
         if self.edit.settings.unconditional and (not self.cross or self.edit.step < self.edit.cross_steps):
             unconditional = self._edited_attention(attn, h0, e0, m0, t0, conditional=False)
         else:

@@ -235,7 +235,7 @@ _FILE_HASHES: dict[tuple, str] = {}
 
 def file_sha256(path: Path) -> str:
     """A file's SHA-256, read once per process for each (path, size, modification time): about a
-    second for a GB, against minutes of encoding or training that a fingerprint guards."""
+    second for half a GB on 2 CPU cores, against the minutes of encoding or training a fingerprint guards."""
     stat = path.stat()
     key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
     if key not in _FILE_HASHES:

@@ -137,15 +137,13 @@ def judge_edit(kind: str, source_image, edited_image, source: Scene, edited: Sce
         # source drawn with an extra object leaves the caption's object anywhere in the list.
         edited_attribute = 0 if changed == "colour" else 1  # in (colour, shape, row, column)
         was = getattr(source.objects[0], changed)
+        places_kept = all(b[2:] == a[2:] for b, a in zip(before, after))
         differing = [(b, a) for b, a in zip(before, after) if b != a]
-        kept = all(b[2:] == a[2:] for b, a in zip(before, after)) and (
-            not differing
-            or (
-                len(differing) == 1
-                and differing[0][0][edited_attribute] == was
-                and differing[0][0][1 - edited_attribute] == differing[0][1][1 - edited_attribute]
-            )
-        )
+        if len(differing) == 1:
+            ((b, a),) = differing
+            kept = places_kept and b[edited_attribute] == was and b[1 - edited_attribute] == a[1 - edited_attribute]
+        else:
+            kept = places_kept and not differing
     is_edited = bool(getattr(verdict, changed))
     # an edit of a source the model drew wrong (an extra object, a wrong shape) is measured against
     # that source; whether the source was right says which failures are the edit's own

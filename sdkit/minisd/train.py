@@ -56,6 +56,7 @@ from .pipeline import (
     add_coordinates,
     add_place_embeddings,
     pool_states,
+    posterior,
     scaled_latents,
 )
 
@@ -137,7 +138,7 @@ class TrainSettings:
     # must learn to draw and the decoder ignores. Sampling is the same either way.
     posterior: str = "sample"
     # A latent run's images. 0: every sample a new image of the stream, encoded by the VAE at its step
-    # (a third of a step on 2 CPU cores). N: the stream's first N images, encoded once before the first
+    # (about a quarter of a float32 step on 2 CPU cores). N: the stream's first N images, encoded once before the first
     # step (and cached beside the captions' states), each pass over them in a new order and each use a
     # new draw from the image's posterior, as training scripts that cache SD's latents do. The pool's
     # encoding is part of the run's time.
@@ -286,6 +287,30 @@ class CaptionStates:
         return F.pad(states, (0, 0, 0, self.max_length - states.shape[1]))
 
 
+def cached_tensors(
+    cache_dir: str | os.PathLike | None, name: str, key: dict, shape: dict[str, int], make
+) -> dict[str, torch.Tensor]:
+    """make()'s tensors, read from cache_dir when a file keyed by `key` holds them (`shape`: each
+    tensor's name and rows), else made and written there (a damaged file is made again, replaced)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file, save_file
+
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = Path(cache_dir) / f"{name}-{digest}.safetensors" if cache_dir else None
+    if path and path.is_file():
+        try:
+            tensors = load_file(path)
+            if {name: len(tensor) for name, tensor in tensors.items()} == shape:
+                return tensors
+        except (SafetensorError, OSError):
+            pass  # damaged: made again and replaced
+    tensors = make()
+    if path:
+        with atomic_path(path) as tmp:
+            save_file(tensors, str(tmp))
+    return tensors
+
+
 def encode_captions(
     encoder: TextEncoder,
     captions: list[str],
@@ -294,34 +319,26 @@ def encode_captions(
     progress: bool = True,
 ) -> CaptionStates:
     """Encode captions (or read them from the cache, keyed by the encoder and the captions)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file, save_file
     from tqdm import tqdm
 
-    key_data = {"format": 1, "encoder": encoder_fingerprint(encoder), "captions": captions}
-    key = hashlib.sha256(json.dumps(key_data, sort_keys=True).encode()).hexdigest()[:16]
-    path = Path(cache_dir) / f"minisd-captions-{key}.safetensors" if cache_dir else None
-    if path and path.is_file():
-        try:
-            tensors = load_file(path)
-            if tensors["states"].shape[0] == len(captions):
-                return CaptionStates(captions, tensors["states"], tensors["lengths"], encoder.max_length)
-        except (SafetensorError, KeyError, OSError):
-            pass  # damaged: encode again and replace it
-    parts, lengths = [], []
-    batches = range(0, len(captions), batch_size)
-    for start in tqdm(batches, desc="encoding captions", unit="batch", disable=None if progress else True):
-        batch = captions[start : start + batch_size]
-        parts.append(encoder.encode(batch).float().cpu())
-        lengths.append(encoder.real_mask(batch).sum(1))
-    lengths = torch.cat(lengths)
-    states = torch.cat(parts)
-    if not encoder.pads_with_states:  # masked encoders leave zeros past the caption: keep only the tokens
-        states = states[:, : int(lengths.max())].contiguous()
-    if path:
-        with atomic_path(path) as tmp:
-            save_file({"states": states, "lengths": lengths}, str(tmp))
-    return CaptionStates(captions, states, lengths, encoder.max_length)
+    def encode() -> dict[str, torch.Tensor]:
+        parts, lengths = [], []
+        batches = range(0, len(captions), batch_size)
+        for start in tqdm(batches, desc="encoding captions", unit="batch", disable=None if progress else True):
+            batch = captions[start : start + batch_size]
+            parts.append(encoder.encode(batch).float().cpu())
+            lengths.append(encoder.real_mask(batch).sum(1))
+        lengths = torch.cat(lengths)
+        states = torch.cat(parts)
+        if not encoder.pads_with_states:  # masked encoders leave zeros past the caption: keep only the tokens
+            states = states[:, : int(lengths.max())].contiguous()
+        return {"states": states, "lengths": lengths}
+
+    key = {"format": 1, "encoder": encoder_fingerprint(encoder), "captions": captions}
+    tensors = cached_tensors(
+        cache_dir, "minisd-captions", key, {"states": len(captions), "lengths": len(captions)}, encode
+    )
+    return CaptionStates(captions, tensors["states"], tensors["lengths"], encoder.max_length)
 
 
 # --- a latent run's pool of images, encoded once ---------------------------------------------------
@@ -352,11 +369,27 @@ def encode_pool(
 ) -> LatentPool:
     """Encode the stream's first settings.latent_pool images (or read them from the cache, keyed by
     the VAE's weights, the stream and whether the encode runs in bfloat16, as settings.precision says)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file, save_file
     from tqdm import tqdm
 
-    key_data = {
+    def encode() -> dict[str, torch.Tensor]:
+        scale = vae.config.scaling_factor
+        autocast = training_autocast(settings.precision, vae.device)
+        means, stds = [], []
+        starts = range(0, settings.latent_pool, batch_size)
+        for start in tqdm(starts, desc="encoding the latent pool", unit="batch", disable=None if progress else True):
+            stop = min(start + batch_size, settings.latent_pool)
+            images = [
+                sample_at(settings.seed, i, settings.image_size, settings.pair_fraction).image
+                for i in range(start, stop)
+            ]
+            pixels = torch.from_numpy(np.stack([to_model(image) for image in images])).to(vae.device)
+            with torch.no_grad(), autocast:  # as scaled_latents encodes at a step
+                dist = posterior(vae, pixels)
+            means.append((dist.mean * scale).float().cpu())
+            stds.append((dist.std * scale).float().cpu())
+        return {"mean": torch.cat(means).contiguous(), "std": torch.cat(stds).contiguous()}
+
+    key = {
         "format": 1,
         "vae": vae_fingerprint(vae),
         "seed": settings.seed,
@@ -365,34 +398,10 @@ def encode_pool(
         "images": settings.latent_pool,
         "bf16": settings.precision.startswith("bf16"),
     }
-    key = hashlib.sha256(json.dumps(key_data, sort_keys=True).encode()).hexdigest()[:16]
-    path = Path(cache_dir) / f"minisd-latents-{key}.safetensors" if cache_dir else None
-    if path and path.is_file():
-        try:
-            tensors = load_file(path)
-            if tensors["mean"].shape[0] == settings.latent_pool:
-                return LatentPool(tensors["mean"], tensors["std"])
-        except (SafetensorError, KeyError, OSError):
-            pass  # damaged: encode again and replace it
-    device, scale = vae.device, vae.config.scaling_factor
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=settings.precision.startswith("bf16"))
-    means, stds = [], []
-    starts = range(0, settings.latent_pool, batch_size)
-    for start in tqdm(starts, desc="encoding the latent pool", unit="batch", disable=None if progress else True):
-        stop = min(start + batch_size, settings.latent_pool)
-        images = [
-            sample_at(settings.seed, i, settings.image_size, settings.pair_fraction).image for i in range(start, stop)
-        ]
-        pixels = torch.from_numpy(np.stack([to_model(image) for image in images])).to(device)
-        with torch.no_grad(), autocast:  # as scaled_latents encodes at a step
-            dist = vae.encode(pixels.to(vae.dtype, memory_format=torch.channels_last)).latent_dist
-        means.append((dist.mean * scale).float().cpu())
-        stds.append((dist.std * scale).float().cpu())
-    pool = LatentPool(torch.cat(means).contiguous(), torch.cat(stds).contiguous())
-    if path:
-        with atomic_path(path) as tmp:
-            save_file({"mean": pool.mean, "std": pool.std}, str(tmp))
-    return pool
+    tensors = cached_tensors(
+        cache_dir, "minisd-latents", key, {"mean": settings.latent_pool, "std": settings.latent_pool}, encode
+    )
+    return LatentPool(tensors["mean"], tensors["std"])
 
 
 # --- batches ---------------------------------------------------------------------------------------
@@ -480,6 +489,11 @@ def draw_timesteps(settings: TrainSettings, generator: torch.Generator) -> torch
     weights = torch.ones(count, dtype=torch.float64)
     weights[settings.timestep_bias_from :] = settings.timestep_bias
     return torch.multinomial(weights, settings.batch_size, replacement=True, generator=generator)
+
+
+def training_autocast(precision: str, device: torch.device):
+    """bfloat16 autocast under the bf16 precisions, off in fp32 (precision resolved, not "auto")."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision.startswith("bf16"))
 
 
 def hash_seed(*parts) -> int:
@@ -998,7 +1012,7 @@ def train(
     if settings.compile:
         compile_unet(unet, settings.precision)
     ema.to(accelerator.device)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=settings.precision.startswith("bf16"))
+    autocast = training_autocast(settings.precision, device)
     # what every saved model's record says of the run (each adds its step, times and history)
     trained_on = {"settings": asdict(settings), "processes": accelerator.num_processes, "device": str(device)}
     if vae_record is not None:
