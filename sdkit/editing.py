@@ -19,6 +19,9 @@ changed, and the edited branch is the source outside it. P2P blends the latents 
 scheduler step; here the U-Net's prediction is blended (a forward hook), which any pipeline's loop
 then steps as it steps its own: for a fixed mask the two are the same, since a DDIM (or DPM)
 step is linear in the sample and the prediction and both branches start from the same noise.
+`share_latents` (not in P2P) uses the same hook with an empty mask: for the first part of sampling
+the edited branch is the source, and it goes on from the source's x_t, as SDEdit goes on from a
+noised image.
 """
 
 from __future__ import annotations
@@ -57,9 +60,13 @@ class EditSettings:
     # difference the guided prediction takes with weight 1 - scale (-3 at the pixel mini SD's 4).
     # Not in P2P; off by default.
     unconditional: bool = False
+    # The edited branch is the source for the first this fraction of steps: its prediction, so its
+    # latents, are the source's, and it goes on from the source's x_t, where the first steps have laid
+    # the objects out (as SDEdit starts from a noised image). Not in P2P; off by default.
+    share_latents: float = 0.0
 
     def check(self) -> None:
-        for name in ("cross_replace", "self_replace", "blend_threshold"):
+        for name in ("cross_replace", "self_replace", "share_latents", "blend_threshold"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0 <= value <= 1):
                 what = "of the words' peak attention" if name == "blend_threshold" else "of the steps"
@@ -71,6 +78,8 @@ class EditSettings:
     def title(self) -> str:
         """What was injected and for how long, in a few words (for pictures and tables)."""
         parts = [f"source cross-attention for the first {self.cross_replace:.0%} of steps"]
+        if self.share_latents:
+            parts.insert(0, f"the source's latents for the first {self.share_latents:.0%} of steps")
         if self.self_replace:
             parts.append(f"self-attention for the first {self.self_replace:.0%}")
         parts += [f"{word} x{factor:g}" for word, factor in self.reweight.items()]
@@ -213,6 +222,7 @@ class PromptEdit:
                 self.equalizer[pair, positions] = factor
         self.cross_steps = round(settings.cross_replace * steps)
         self.self_steps = round(settings.self_replace * steps)
+        self.shared_steps = round(settings.share_latents * steps)
         self.step, self.cfg, self.grid = -1, False, (0, 0)
         self.recorded: dict | None = {} if record else None
         self._original = None
@@ -247,7 +257,7 @@ class PromptEdit:
         }
         self.unet.set_attn_processor(replaced)
         self._hooks = [self.unet.register_forward_pre_hook(self._count, with_kwargs=True)]
-        if self.settings.local_blend:
+        if self.settings.local_blend or self.shared_steps:
             self._hooks.append(self.unet.register_forward_hook(self._blend))
         return self
 
@@ -312,12 +322,16 @@ class PromptEdit:
         self.blend_maps = maps if self.blend_maps is None else self.blend_maps + maps
 
     def _blend(self, module, args, output):
-        """The edited branches' prediction is the source's outside the mask (both guidance halves)."""
-        if self.blend_maps is None:
+        """The edited branches' prediction is the source's (both guidance halves): everywhere during
+        the shared steps, outside the mask when blending."""
+        if self.step < self.shared_steps:
+            mask = torch.zeros(self.pairs, *self.grid, dtype=torch.bool)
+        elif self.settings.local_blend and self.blend_maps is not None:
+            peak = self.blend_maps.amax(dim=(-2, -1), keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+            mask = (self.blend_maps / peak > self.settings.blend_threshold).any(1)  # (pairs, height, width)
+            self.blended = mask if self.blended is None else self.blended | mask
+        else:
             return output
-        peak = self.blend_maps.amax(dim=(-2, -1), keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-        mask = (self.blend_maps / peak > self.settings.blend_threshold).any(1)  # (pairs, height, width)
-        self.blended = mask if self.blended is None else self.blended | mask
         sample = output[0]
         mask = mask[:, None].to(sample.device)
         for first in (0, 2 * self.pairs) if self.cfg else (0,):

@@ -91,6 +91,7 @@ def test_self_attention_is_injected_only_at_coarse_levels_and_early_steps(pipe):
         (EditSettings(cross_replace=1.5), "cross_replace is a fraction"),
         (EditSettings(reweight={"blue": -1.0}), "must be a finite factor"),
         (EditSettings(local_blend=True, blend_threshold=2.0), "blend_threshold is a fraction"),
+        (EditSettings(share_latents=-0.1), "share_latents is a fraction of the steps"),
     ],
 )
 def test_bad_settings_are_refused(pipe, settings, words):
@@ -265,6 +266,36 @@ def test_asked_to_the_unconditional_half_is_edited_too(pipe, monkeypatch):
     assert np.allclose(with_it[0], without[0], atol=1e-5) and np.abs(with_it[1] - without[1]).max() > 1e-4
 
 
+def test_shared_latents_make_the_edited_branch_the_source_for_the_first_steps(pipe):
+    """share_latents 0.5 of 4 steps: the edited branch's U-Net inputs are the source's, to the bit, at
+    steps 0 to 2 (step 2 reads what steps 0 and 1 made), and it goes its own way after; shared for
+    every step, the edit is the source; with share_latents 0 nothing moves."""
+    ids = [prompt_ids(pipe.tokenizer, p) for p in (SOURCE, EDITED)]
+    noise = torch.randn((1, 4, 32, 32), generator=torch.Generator().manual_seed(0))
+    inputs = []
+    hook = pipe.unet.register_forward_pre_hook(lambda m, a, kw: inputs.append(a[0].clone()), with_kwargs=True)
+    try:
+        with PromptEdit(pipe.unet, *ids, EditSettings(cross_replace=0.0, share_latents=0.5), 4):
+            latents = pipe(
+                [SOURCE, EDITED],
+                num_inference_steps=4,
+                latents=noise.expand(2, 4, 32, 32).clone(),
+                output_type="latent",
+            ).images
+    finally:
+        hook.remove()
+    assert len(inputs) == 4
+    for step, sample in enumerate(inputs):  # guidance: (source, edited) unconditional, then conditional
+        same = torch.equal(sample[1], sample[0]) and torch.equal(sample[3], sample[2])
+        assert same == (step <= 2), step
+    assert not torch.equal(latents[1], latents[0])
+    whole, _ = edited_latents(pipe, EditSettings(cross_replace=0.0, share_latents=1.0))
+    assert torch.equal(whole[1], whole[0])
+    assert not torch.equal(edited_latents(pipe, EditSettings(cross_replace=0.0))[0][1], whole[1])
+    none = edit_sd(pipe, SOURCE, EDITED, EditSettings(cross_replace=0.0, share_latents=0.0), STEPS, output_type="np")
+    assert np.array_equal(none, plain(pipe, [SOURCE, EDITED]))
+
+
 # --- on the mini SD: edit sets, the judge of an edit, the command ------------------------------------
 
 
@@ -392,8 +423,11 @@ def test_the_edit_command(cli, micro_minisd, tmp_path):
     assert (tmp_path / "e.png").is_file() and "source cross-attention for the first 80% of steps" in out
     record = json.loads((tmp_path / "e.json").read_text())
     assert record["seeds"] == [0, 1] and record["edited_prompt"] == "a blue circle at the top left"
-    code, _, err = cli(*base, "--reweight", "red=2", "--out", tmp_path / "r.png", "--seeds", "1")
+    code, out, err = cli(
+        *base, "--reweight", "red=2", "--share-latents", "0.5", "--out", tmp_path / "r.png", "--seeds", "1", "--json"
+    )
     assert code == 0, err
+    assert (json.loads(out)["share_latents"], json.loads(out)["reweight"]) == (0.5, {"red": 2.0})
     assert "give the edited prompt" in one_line(*cli(*base, "--out", tmp_path / "x.png")[::2])
     assert "a reweight is" in one_line(*cli(*base, "--reweight", "red", "--out", tmp_path / "x.png")[::2])
     assert "'purple' is not a word" in one_line(*cli(*base, "--reweight", "purple=2", "--out", tmp_path / "x.png")[::2])

@@ -543,7 +543,13 @@ EDIT_NAMES = {
 }  # sdkit.minisd.edit.EDIT_NAMES, named without importing torch
 
 
-SETTING_KEYS = ("cross_replace", "self_replace", "local_blend", "source_states")  # what an edit study row varies
+SETTING_KEYS = (
+    "cross_replace",
+    "self_replace",
+    "local_blend",
+    "source_states",
+    "share_latents",
+)  # an edit row's setting
 
 
 def editing_table() -> str:
@@ -557,11 +563,13 @@ def editing_table() -> str:
             if row["cross_replace"] == 0
             else f"P2P, cross_replace {row['cross_replace']:g}"
         )
+        if row["share_latents"]:
+            setting = f"source's latents for the first {row['share_latents'] * 100:g} % of steps, then {setting}"
         if row["self_replace"]:
             setting += f", self_replace {row['self_replace']:g}"
         if row["local_blend"]:
             setting += ", local blend"
-        if row.get("source_states"):
+        if row["source_states"]:
             setting += ", source states"
         if [row[k] for k in SETTING_KEYS] == [data[f"chosen_{k}"] for k in SETTING_KEYS]:
             setting += " (chosen)"
@@ -584,11 +592,10 @@ def editing_table() -> str:
 
 def editing_reweight_table() -> str:
     data = load("editing")
-    chosen = [data[f"chosen_{k}"] for k in SETTING_KEYS]
     rows = [
         [f"x{row['factor']:g}", pct(row["colour_shown"]), row["count"]]
         for row in data["reweight"]
-        if row["setting"] == chosen
+        if row["setting"] == data["reweight_setting"]
     ]
     return markdown(["colour word's attention", "its colour shown", "images"], rows)
 

@@ -414,6 +414,7 @@ def cmd_minisd_edit(args) -> None:
         blend_threshold=args.blend_threshold,
         source_states=args.source_states,
         unconditional=args.unconditional,
+        share_latents=args.share_latents,
     )
     settings.check()
     if not args.local_blend:
@@ -446,6 +447,7 @@ def cmd_minisd_edit(args) -> None:
             "blend_threshold": settings.blend_threshold if settings.local_blend else None,
             "source_states": settings.source_states,
             "unconditional": settings.unconditional,
+            "share_latents": settings.share_latents,
             "steps": args.steps,
             "guidance_scale": args.guidance,
             "picture": args.out,
@@ -747,6 +749,13 @@ def register(sub) -> None:
         action="store_true",
         help="inject into the unconditional half of guidance too, for the same fractions of steps (not in P2P, "
         "which edits the conditional half only)",
+    )
+    q.add_argument(
+        "--share-latents",
+        type=nonnegative_float,
+        default=0.0,
+        help="the fraction of steps the edited branch is the source (its latents the source's), so the edit goes "
+        "on from the source's layout (SDEdit-like; not in P2P)",
     )
     q.add_argument(
         "--seeds", type=at_most(256, "a picture holds 256 rows"), default=4, help="edits (seeds first-seed, +1, ...)"

@@ -203,6 +203,7 @@ def study_row(
         "local_blend": settings.local_blend,
         "source_states": settings.source_states,
         "unconditional": settings.unconditional,
+        "share_latents": settings.share_latents,
         "seed": seed,
         "seconds": time.perf_counter() - start,
         **rates(judged),

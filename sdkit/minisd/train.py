@@ -324,7 +324,7 @@ def encode_captions(
     def encode() -> dict[str, torch.Tensor]:
         parts, lengths = [], []
         batches = range(0, len(captions), batch_size)
-        for start in tqdm(batches, desc="encoding captions", unit="batch", disable=None if progress else True):
+        for start in tqdm(batches, desc="encoding captions", unit="batch", disable=not progress):
             batch = captions[start : start + batch_size]
             parts.append(encoder.encode(batch).float().cpu())
             lengths.append(encoder.real_mask(batch).sum(1))
@@ -376,7 +376,7 @@ def encode_pool(
         autocast = training_autocast(settings.precision, vae.device)
         means, stds = [], []
         starts = range(0, settings.latent_pool, batch_size)
-        for start in tqdm(starts, desc="encoding the latent pool", unit="batch", disable=None if progress else True):
+        for start in tqdm(starts, desc="encoding the latent pool", unit="batch", disable=not progress):
             stop = min(start + batch_size, settings.latent_pool)
             images = [
                 sample_at(settings.seed, i, settings.image_size, settings.pair_fraction).image
