@@ -552,12 +552,20 @@ SETTING_KEYS = (
 )  # an edit row's setting
 
 
-def editing_table() -> str:
+def _other_injection(row: dict) -> bool:
+    """A row that injects more than cross-attention and shared steps: self-attention, local blending
+    or the source's token states (the editing page's second table)."""
+    return bool(row["self_replace"] or row["local_blend"] or row["source_states"])
+
+
+def editing_table(others: bool = False) -> str:
     """Prompt-to-Prompt on the reported captions: each edit set at each cross_replace fraction (0:
-    the edited prompt regenerated from the same seed, no injection)."""
+    the edited prompt regenerated from the same seed, no injection) and each share of the source's
+    first steps; with `others`, the rows with other injections instead."""
     data = load("editing")
     rows = []
-    for row in sorted(data["rows"], key=lambda r: list(EDIT_NAMES).index(r["edit"])):
+    shown = [r for r in data["rows"] if _other_injection(r) == others]
+    for row in sorted(shown, key=lambda r: list(EDIT_NAMES).index(r["edit"])):
         setting = (
             "regenerated (no injection)"
             if row["cross_replace"] == 0
@@ -724,6 +732,7 @@ TABLES = {
     "memory-levels": memory_levels_table,
     "memory-context": memory_context_table,
     "editing": editing_table,
+    "editing-other-injections": lambda: editing_table(others=True),
     "editing-reweight": editing_reweight_table,
 }
 
