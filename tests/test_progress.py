@@ -58,3 +58,19 @@ def test_each_prompt_of_a_sample_grid_starts_its_own_row():
     rows, cols, places = grid_places(["a"] * 10 + ["b"] * 3)
     assert (rows, cols) == (3, 8) and places[8:10] == [(1, 0), (1, 1)] and places[10:] == [(2, 0), (2, 1), (2, 2)]
     assert grid_places(["a", "b", "c"]) == (1, 3, [(0, 0), (0, 1), (0, 2)])  # one seed each: side by side
+
+
+def test_library_load_bars_stay_off_when_a_script_imported_diffusers_first():
+    """A script that imports sdkit's pipelines (so diffusers and huggingface_hub, which read their
+    settings at import) before it calls quiet_libraries still gets no transformers load bars."""
+    code = (
+        "import diffusers, sys\n"
+        "from sdkit.cli import quiet_libraries\n"
+        "quiet_libraries()\n"
+        "from transformers.utils import logging\n"
+        "print(logging.is_progress_bar_enabled())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

@@ -59,6 +59,10 @@ def quiet_libraries() -> None:
     )
     for name in ("diffusers", "transformers", "accelerate", "huggingface_hub", "torch", "matplotlib"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
+    if "huggingface_hub" in sys.modules:  # imported already (by diffusers, say): its env settings were read,
+        from huggingface_hub.utils import disable_progress_bars  # and transformers takes its bars' state from it
+
+        disable_progress_bars()
     if "transformers" in sys.modules:  # imported already (a script's imports): its env settings were read
         from transformers.utils import logging as transformers_logging
 
