@@ -22,14 +22,8 @@ FRACTIONS = (0.0, 0.4, 0.8, 1.0)  # 0: the edited prompt regenerated, no injecti
 SELF = ((0.8, 0.2), (0.8, 0.4))  # (cross_replace, self_replace): P2P with the source's self-attention too
 BLEND = (0.4, 0.8, 1.0)  # cross_replace fractions of P2P with local blending on the words the edit changed
 STATES = ((1.0, 0.0), (0.8, 0.2))  # (cross_replace, self_replace) with the source's states for unchanged words
-SHARE = (
-    (1.0, 0.1),
-    (1.0, 0.2),
-    (1.0, 0.3),
-    (1.0, 0.4),
-    (1.0, 0.5),
-    (0.0, 0.2),
-)  # (cross_replace, share_latents): the source's first steps
+# (cross_replace, share_latents): the source's first steps shared, then P2P (or, at 0, nothing injected)
+SHARE = ((1.0, 0.1), (1.0, 0.2), (1.0, 0.3), (1.0, 0.4), (1.0, 0.5), (0.0, 0.2))
 KEYS = ("cross_replace", "self_replace", "local_blend", "source_states", "share_latents")  # a row's setting
 FACTORS = (0.0, 0.5, 1.0, 2.0, 3.0)
 TUNING_SEED = 999  # the report's captions are the evaluation's own (sdkit.minisd.EVAL_SET_SEED)
@@ -59,11 +53,6 @@ def main() -> int:
     guidance = pipe.guidance(args.guidance)
     data = json.loads(out.read_text()) if out.is_file() else {}
     rows = data.get("tuning", []) + data.get("rows", [])
-    for row in rows + data.get("reweight", []):  # rows from before latents were shared: none shared
-        if "setting" in row and isinstance(row["setting"], list) and len(row["setting"]) == len(KEYS) - 1:
-            row["setting"].append(0.0)
-        elif "edit" in row:
-            row.setdefault("share_latents", 0.0)
     if (data.get("count"), data.get("steps"), data.get("guidance_scale")) != (args.count, args.steps, guidance) or any(
         k not in r for r in rows for k in (*KEYS, "source_right")
     ):

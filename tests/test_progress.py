@@ -64,7 +64,7 @@ def test_library_load_bars_stay_off_when_a_script_imported_diffusers_first():
     """A script that imports sdkit's pipelines (so diffusers and huggingface_hub, which read their
     settings at import) before it calls quiet_libraries still gets no transformers load bars."""
     code = (
-        "import diffusers, sys\n"
+        "import diffusers\n"
         "from sdkit.cli import quiet_libraries\n"
         "quiet_libraries()\n"
         "from transformers.utils import logging\n"

@@ -543,13 +543,8 @@ EDIT_NAMES = {
 }  # sdkit.minisd.edit.EDIT_NAMES, named without importing torch
 
 
-SETTING_KEYS = (
-    "cross_replace",
-    "self_replace",
-    "local_blend",
-    "source_states",
-    "share_latents",
-)  # an edit row's setting
+# an edit study row's setting (scripts/edit_study.py's KEYS)
+SETTING_KEYS = ("cross_replace", "self_replace", "local_blend", "source_states", "share_latents")
 
 
 def _other_injection(row: dict) -> bool:

@@ -138,10 +138,10 @@ class TrainSettings:
     # must learn to draw and the decoder ignores. Sampling is the same either way.
     posterior: str = "sample"
     # A latent run's images. 0: every sample a new image of the stream, encoded by the VAE at its step
-    # (about a quarter of a float32 step on 2 CPU cores). N: the stream's first N images, encoded once before the first
-    # step (and cached beside the captions' states), each pass over them in a new order and each use a
-    # new draw from the image's posterior, as training scripts that cache SD's latents do. The pool's
-    # encoding is part of the run's time.
+    # (about a quarter of a float32 step on 2 CPU cores). N: the stream's first N images, encoded once
+    # before the first step (and cached beside the captions' states), each pass over them in a new order
+    # and each use a new draw from the image's posterior, as training scripts that cache SD's latents
+    # do. The pool's encoding is part of the run's time.
     latent_pool: int = 0
     # "bf16": torch's autocast (bfloat16 convolutions and matmuls on float32 weights); "bf16-fp32-ends":
     # the same with the U-Net's first and last layers in float32 (ends_in_float32); "fp32";
@@ -300,7 +300,7 @@ def cached_tensors(
     if path and path.is_file():
         try:
             tensors = load_file(path)
-            if {name: len(tensor) for name, tensor in tensors.items()} == shape:
+            if {tensor_name: len(tensor) for tensor_name, tensor in tensors.items()} == shape:
                 return tensors
         except (SafetensorError, OSError):
             pass  # damaged: made again and replaced
