@@ -131,6 +131,7 @@ def compute(
     flops: dict[str, int] = {}  # per module name
     roles = dict.fromkeys(ROLES, 0)
     per_level: dict[str, dict] = {}
+    self_attention: dict = {}  # per level, its first self-attention layer (for the bytes it holds)
 
     def grid(name: str) -> tuple[int, int]:
         level = parameter_level(f"{name}.weight")
@@ -172,6 +173,8 @@ def compute(
                 rows = h * w
             add(name, _role(name), 2 * batch * rows * module.in_features * module.out_features)
         elif type(module).__name__ == "Attention":
+            if name.endswith("attn1"):
+                self_attention.setdefault(parameter_level(f"{name}.weight"), module)
             h, w = grid(name)
             keys = tokens if name.endswith("attn2") else h * w
             width_inner = module.to_q.out_features
@@ -190,7 +193,7 @@ def compute(
             continue
         entry = per_level[level]
         entry["total"] = sum(entry["roles"].values())
-        entry["attention_bytes"] = _attention_bytes(unet, level, entry["grid"], batch, tokens, element)
+        entry["attention_bytes"] = _attention_bytes(self_attention.get(level), entry["grid"], batch, tokens, element)
         level_rows.append(entry)
     return Compute(
         str(model) if isinstance(model, str) else "module",
@@ -206,20 +209,14 @@ def compute(
     )
 
 
-def _attention_bytes(unet, level: str, grid, batch: int, tokens: int, element: int) -> dict:
-    """What one attention call of the level holds at once, unfused: the self-attention score table
-    (batch x heads x cells x cells), the cross-attention table (x text tokens), and Q, K, V, out."""
-    if grid is None:
+def _attention_bytes(layer, grid, batch: int, tokens: int, element: int) -> dict:
+    """What one attention call of a level holds at once, unfused (`layer`: its first self-attention
+    layer, or None): the self-attention score table (batch x heads x cells x cells), the
+    cross-attention table (x text tokens), and Q, K, V, out."""
+    if grid is None or layer is None:
         return {}
     cells = grid[0] * grid[1]
-    layers = [
-        m
-        for n, m in unet.named_modules()
-        if type(m).__name__ == "Attention" and n.endswith("attn1") and parameter_level(f"{n}.weight") == level
-    ]
-    if not layers:
-        return {}
-    heads, inner = layers[0].heads, layers[0].to_q.out_features
+    heads, inner = layer.heads, layer.to_q.out_features
     return {
         "self_scores": batch * heads * cells * cells * element,
         "cross_scores": batch * heads * cells * tokens * element,

@@ -130,7 +130,7 @@ def test_interrupted_training_resumes_to_the_same_result(encoded, tmp_path):
 def test_comparison_against_baselines(tiny_pair, tiny_unet, tmp_path):
     report = compare_adapters(
         *tiny_pair,
-        PROMPTS,
+        PROMPTS[:100],
         config=TrainConfig(max_epochs=4),
         unet=tiny_unet,
         unet_name="tiny",

@@ -1155,7 +1155,7 @@ def test_training_with_grounding_or_relation_logs_it_and_changes_the_weights(ber
             _settings(steps=3, pair_fraction=1.0, **weights),
             micro_config(bert.width),
             progress=False,
-            cache_dir=None,
+            cache_dir=tmp_path / "cache",  # the captions encoded once for the four runs
         )
         runs[name] = load_file(tmp_path / name / "unet" / "diffusion_pytorch_model.safetensors")
         logged = set(result.history[-1]) - {"step", "loss", "seconds"}
@@ -1172,7 +1172,7 @@ def test_training_with_grounding_or_relation_logs_it_and_changes_the_weights(ber
         _settings(steps=3, pair_fraction=1.0, relation_weight=1.0, attention_loss_from=999),
         micro_config(bert.width),
         progress=False,
-        cache_dir=None,
+        cache_dir=tmp_path / "cache",
     )
     assert gated.history[-1]["relation"] == 0
     weights = load_file(tmp_path / "gated" / "unet" / "diffusion_pytorch_model.safetensors")

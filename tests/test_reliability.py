@@ -175,7 +175,9 @@ print(json.dumps({"peak": peak, "predicted": predicted_forward_bytes(unet, (side
 """
 
 
-@pytest.mark.parametrize("side", [32, 64, pytest.param(128, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "side", [32, pytest.param(64, marks=pytest.mark.slow), pytest.param(128, marks=pytest.mark.slow)]
+)
 def test_4_prediction_bounds_the_measured_peak(side):
     # In a fresh process (memory a process freed and kept would hide the peak), with a fixed mmap
     # threshold so that large tensors come from, and go back to, the system.

@@ -436,10 +436,11 @@ def format_report(r: AdapterReport) -> str:
         best_epoch = min(history, key=lambda h: h["val_rel_mse"])
         if best_epoch["epoch"] == 0:  # what was kept is the starting point: say so, not "a tie"
             start = "its linear skip at the lstsq map" if kind in ("mlp", "mixer") else "its initialisation"
-            out.append(
+            out += textwrap.wrap(
                 f"{kind}: {len(history) - 1} epochs never beat the start (epoch 0, {start}: validation relMSE "
                 f"{best_epoch['val_rel_mse']:.4f}; after them {history[-1]['val_rel_mse']:.4f}); the {kind} "
-                f"kept is that start, so its scores are the start's, not training's"
+                f"kept is that start, so its scores are the start's, not training's",
+                118,
             )
         else:
             out.append(
