@@ -22,6 +22,11 @@ step is linear in the sample and the prediction and both branches start from the
 `share_latents` (not in P2P) uses the same hook with an empty mask: for the first part of sampling
 the edited branch is the source, and it goes on from the source's x_t, as SDEdit goes on from a
 noised image.
+
+A real image is edited by null-text inversion (Mokady et al. 2022): `invert_sd` inverts it by DDIM
+at guidance 1, then, step by step, tunes the unconditional (empty prompt's) states so that the
+guided sampling retraces that trajectory; `edit_sd(..., inversion=...)` then starts from the
+inverted noise and reads those states at each step, so the source branch redraws the image.
 """
 
 from __future__ import annotations
@@ -393,6 +398,101 @@ def word_positions(tokenizer, prompt: str, word: str) -> list[int]:
     return positions
 
 
+@dataclass
+class Inversion:
+    """A real image as a pipeline's guided DDIM sampling redraws it (null-text inversion)."""
+
+    prompt: str  # the image's caption: the source prompt of its edits
+    latents: torch.Tensor  # (1, channels, height, width): the start, DDIM-inverted at guidance 1
+    null_embeds: torch.Tensor  # (steps, tokens, width): the unconditional states each step reads
+    num_inference_steps: int
+    guidance_scale: float
+    errors: list[float]  # per step: mean squared distance of the guided step from the inverted trajectory
+
+
+def _check_ddim(pipe) -> None:
+    from diffusers import DDIMScheduler
+
+    if not isinstance(pipe.scheduler, DDIMScheduler):
+        raise SdkitError(
+            f"null-text inversion retraces DDIM's steps; the pipeline samples with {type(pipe.scheduler).__name__}: "
+            "set pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)"
+        )
+
+
+def invert_sd(
+    pipe,
+    image,
+    prompt: str,
+    num_inference_steps: int = 50,
+    guidance_scale: float = 7.5,
+    inner_steps: int = 10,
+    lr: float = 1e-2,
+    tolerance: float = 1e-5,
+    progress: bool = True,
+) -> Inversion:
+    """Null-text inversion of `image` (PIL, array or tensor, as the pipeline's image processor takes;
+    resized to the model's size) under `prompt`, for edits at these steps and guidance. Each step
+    tunes the empty prompt's states (Adam, at most `inner_steps`, stopping below `tolerance`) so that
+    the guided step lands where DDIM inversion says it should; the first step starts from the empty
+    prompt's states, each later one from the step before."""
+    import torch.nn.functional as F
+    from diffusers import DDIMInverseScheduler
+    from tqdm.auto import tqdm
+
+    _check_ddim(pipe)
+    device, dtype = pipe.device, pipe.unet.dtype
+    height = width = pipe.unet.config.sample_size * pipe.vae_scale_factor
+    pixels = pipe.image_processor.preprocess(image, height=height, width=width).to(device, pipe.vae.dtype)
+    if len(pixels) != 1:
+        raise SdkitError(f"one image at a time, not {len(pixels)}")
+    with torch.no_grad():
+        latents = pipe.vae.encode(pixels).latent_dist.mean * pipe.vae.config.scaling_factor
+        conditional_embeds, null = pipe.encode_prompt(prompt, device, 1, True, "")
+    latents = latents.to(dtype)
+    scheduler, inverse = pipe.scheduler, DDIMInverseScheduler.from_config(pipe.scheduler.config)
+    scheduler.set_timesteps(num_inference_steps, device=device)
+    inverse.set_timesteps(num_inference_steps, device=device)
+    if not torch.equal(inverse.timesteps.flip(0).cpu(), scheduler.timesteps.cpu()):
+        raise SdkitError("the scheduler's inverse does not retrace its timesteps; use DDIM with its own spacing")
+    bar = tqdm(total=2 * num_inference_steps, desc="null-text inversion", disable=not progress, leave=False)
+    trajectory = [latents]  # DDIM inversion at guidance 1: from the image to the noise
+    with torch.no_grad():
+        for t in inverse.timesteps:
+            predicted = pipe.unet(trajectory[-1], t, encoder_hidden_states=conditional_embeds).sample
+            trajectory.append(inverse.step(predicted, t, trajectory[-1]).prev_sample)
+            bar.update()
+    trajectory.reverse()  # trajectory[i]: what sampling step i reads; trajectory[-1]: the image
+    current, nulls, errors = trajectory[0], [], []
+
+    def guided_step(t, unconditional_embeds, conditional):
+        unconditional = pipe.unet(current, t, encoder_hidden_states=unconditional_embeds).sample
+        guided = unconditional + guidance_scale * (conditional - unconditional)
+        return scheduler.step(guided, t, current).prev_sample
+
+    for i, t in enumerate(scheduler.timesteps):
+        target = trajectory[i + 1]
+        with torch.no_grad():
+            conditional = pipe.unet(current, t, encoder_hidden_states=conditional_embeds).sample
+        null = null.detach().to(torch.float32, copy=True).requires_grad_(True)  # float32 whatever the U-Net's dtype
+        optimizer = torch.optim.Adam([null], lr=lr)
+        for _ in range(inner_steps):
+            loss = F.mse_loss(guided_step(t, null.to(dtype), conditional).float(), target.float())
+            if loss.item() < tolerance:
+                break
+            # the states' gradient only: the U-Net's weights get none (nor the memory they would take)
+            (null.grad,) = torch.autograd.grad(loss, [null])
+            optimizer.step()
+        null = null.detach()
+        with torch.no_grad():
+            current = guided_step(t, null.to(dtype), conditional)
+        nulls.append(null[0])
+        errors.append(F.mse_loss(current.float(), target.float()).item())
+        bar.update()
+    bar.close()
+    return Inversion(prompt, trajectory[0], torch.stack(nulls), num_inference_steps, guidance_scale, errors)
+
+
 def edit_sd(
     pipe,
     source: str,
@@ -402,17 +502,47 @@ def edit_sd(
     guidance_scale: float = 7.5,
     seed: int = 0,
     output_type: str = "pil",
+    inversion: Inversion | None = None,
 ):
     """Prompt-to-Prompt on a stock diffusers StableDiffusionPipeline: the source and the edited
     prompt (the source itself when None: a reweight alone) in one batch from the same noise, the
-    pipeline's own sampling loop. Returns the pipeline's images, [source, edited]."""
+    pipeline's own sampling loop. Returns the pipeline's images, [source, edited]. With an
+    `inversion` (of a real image, by `invert_sd` under the source prompt at these steps and
+    guidance), both branches start from its noise and read its unconditional states: the source is
+    the image redrawn, and `seed` is not used."""
     settings = settings or EditSettings()
     edited = source if edited is None else edited
     ids = [prompt_ids(pipe.tokenizer, prompt) for prompt in (source, edited)]
     reweight = {word: (word_positions(pipe.tokenizer, edited, word), f) for word, f in settings.reweight.items()}
     height = width = pipe.unet.config.sample_size * pipe.vae_scale_factor
     shape = (1, pipe.unet.config.in_channels, height // pipe.vae_scale_factor, width // pipe.vae_scale_factor)
-    noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(pipe.device, pipe.unet.dtype)
+    inverted = {}
+    if inversion is None:
+        noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(pipe.device, pipe.unet.dtype)
+    else:
+        made = (inversion.prompt, inversion.num_inference_steps, inversion.guidance_scale)
+        if made != (source, num_inference_steps, guidance_scale):
+            raise SdkitError(
+                f"the inversion was made for {made[0]!r} at {made[1]} steps and guidance {made[2]:g}; "
+                f"edit that prompt at the same, not {source!r} at {num_inference_steps} and {guidance_scale:g}"
+            )
+        _check_ddim(pipe)
+        noise = inversion.latents.to(pipe.device, pipe.unet.dtype)
+        nulls = inversion.null_embeds.to(pipe.device, pipe.unet.dtype)
+
+        def next_null(_pipe, step, _timestep, tensors):
+            if step + 1 == len(nulls):
+                return {}
+            embeds = tensors["prompt_embeds"].clone()  # (unconditional, conditional) halves
+            embeds[:2] = nulls[step + 1]
+            return {"prompt_embeds": embeds}
+
+        if guidance_scale > 1:  # without guidance there is no unconditional half to feed
+            inverted = {
+                "negative_prompt_embeds": nulls[0].expand(2, *nulls.shape[1:]),
+                "callback_on_step_end": next_null,
+                "callback_on_step_end_tensor_inputs": ["prompt_embeds"],
+            }
     with PromptEdit(pipe.unet, *ids, settings, num_inference_steps, reweight):
         out = pipe(
             [source, edited],
@@ -420,5 +550,6 @@ def edit_sd(
             guidance_scale=guidance_scale,
             latents=noise.expand(2, *shape[1:]).clone(),
             output_type=output_type,
+            **inverted,
         )
     return out.images

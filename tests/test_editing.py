@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sdkit.common import SdkitError
-from sdkit.editing import EditSettings, PromptEdit, align, edit_sd, prompt_ids
+from sdkit.editing import EditSettings, PromptEdit, align, edit_sd, invert_sd, prompt_ids
 
 SOURCE, EDITED = "a red cat on a blue chair", "a blue cat on a blue chair"  # red -> blue: one token each
 STEPS = 3
@@ -294,6 +294,39 @@ def test_shared_latents_make_the_edited_branch_the_source_for_the_first_steps(pi
     assert not torch.equal(edited_latents(pipe, EditSettings(cross_replace=0.0))[0][1], whole[1])
     none = edit_sd(pipe, SOURCE, EDITED, EditSettings(cross_replace=0.0, share_latents=0.0), STEPS, output_type="np")
     assert np.array_equal(none, plain(pipe, [SOURCE, EDITED]))
+
+
+def test_null_text_inversion_tunes_each_steps_states_and_the_edit_redraws_its_steps(pipe):
+    """Random weights, so the redrawn image is not the image: what is checked is that tuning the
+    unconditional states brings every guided step closer to DDIM inversion's trajectory than the
+    empty prompt's states do, and that edit_sd, reading them step by step through the pipeline's
+    own loop, lands where the inversion's own steps did (its last error, to float tolerance)."""
+    image = plain(pipe, [SOURCE, SOURCE])[:1]
+    untuned = invert_sd(pipe, image, SOURCE, STEPS, 7.5, inner_steps=0, progress=False)
+    tuned = invert_sd(pipe, image, SOURCE, STEPS, 7.5, inner_steps=8, lr=0.1, progress=False)
+    assert torch.equal(tuned.latents, untuned.latents) and tuned.null_embeds.shape[0] == STEPS
+    assert all(p.grad is None for p in pipe.unet.parameters())  # only the states were tuned
+    assert all(a < 0.9 * b for a, b in zip(tuned.errors, untuned.errors)), (tuned.errors, untuned.errors)
+    with torch.no_grad():
+        pixels = pipe.image_processor.preprocess(image)
+        start = pipe.vae.encode(pixels).latent_dist.mean * pipe.vae.config.scaling_factor
+    for inversion in (tuned, untuned):
+        redrawn = edit_sd(
+            pipe, SOURCE, None, EditSettings(cross_replace=0.0), STEPS, output_type="latent", inversion=inversion
+        )
+        error = torch.nn.functional.mse_loss(redrawn[0], start[0]).item()
+        assert error == pytest.approx(inversion.errors[-1], rel=1e-3)
+    with pytest.raises(SdkitError, match="made for 'a red cat on a blue chair' at 3 steps and guidance 7.5"):
+        edit_sd(pipe, SOURCE, EDITED, num_inference_steps=4, guidance_scale=7.5, inversion=tuned)
+
+
+def test_null_text_inversion_needs_ddim(tiny_sd):
+    from diffusers import PNDMScheduler, StableDiffusionPipeline
+
+    _, parts = tiny_sd
+    pndm = StableDiffusionPipeline(**{**parts, "scheduler": PNDMScheduler.from_config(parts["scheduler"].config)})
+    with pytest.raises(SdkitError, match="retraces DDIM's steps; the pipeline samples with PNDMScheduler"):
+        invert_sd(pndm, np.zeros((1, 64, 64, 3), np.float32), SOURCE, STEPS, progress=False)
 
 
 # --- on the mini SD: edit sets, the judge of an edit, the command ------------------------------------
