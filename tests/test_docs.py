@@ -135,8 +135,9 @@ def test_every_python_block_runs_as_written(scratch):
         ran.setdefault(page.stem, []).append(namespace)
     (audit,), (traced, in_words), (adapted,) = ran["audit"], ran["condition"], ran["adapter"]
     assert in_words["cat"].shape == (64, 64) and Path("cat.png").is_file()
-    (edited,) = ran["editing"]
+    edited, real = ran["editing"]
     assert len(edited["louder"]) == 2 and edited["source"].size == edited["edited"].size == (64, 64)
+    assert real["redrawn"].size == real["edited"].size == (64, 64) and len(real["inversion"].errors) == 3
     assert [image.size for image in edited["kept_chair"]] == [(64, 64)] * 2
     assert audit["a"].attention_blocks["mlp_share"] == pytest.approx(0.5567934304288111, rel=1e-12)
     assert audit["a"].text_width_swap["parameter_change"] == 6_389_760  # to_k, to_v: 2 x 256 x (5x320 + 5x640 + 6x1280)

@@ -603,6 +603,26 @@ def editing_reweight_table() -> str:
     return markdown(["colour word's attention", "its colour shown", "images"], rows)
 
 
+def inversion_table() -> str:
+    """Real (rendered) images inverted, redrawn and colour-swapped: per set and inversion, the
+    redrawn source judged and its pixel error, then each edit setting's edited-and-kept rate."""
+    data = load("inversion")
+    settings = [e["setting"] for e in data["blocks"][0]["edits"]]
+    rows = [
+        [
+            block["set"],
+            block["inversion"],
+            pct(block["redrawn_right"]),
+            f"{block['redrawn_error']:.4f} ({block['vae_error']:.4f})",
+            f"{block['inversion_seconds']:.1f}",
+            *[f"{pct(e['both'])} {interval(e['both_interval'])}" for e in block["edits"]],
+        ]
+        for block in data["blocks"]
+    ]
+    headers = ["images", "inversion", "redrawn judged right", "redrawn error (VAE's)", "s per inversion"]
+    return markdown([*headers, *[f"edited and kept: {s}" for s in settings]], rows, right_from=2)
+
+
 def latent_vae_table() -> str:
     """The VAE's round trips judged (the generator's images, then encoded and decoded), and PSNR."""
     data = load("latent_vae")
@@ -729,6 +749,7 @@ TABLES = {
     "editing": editing_table,
     "editing-other-injections": lambda: editing_table(others=True),
     "editing-reweight": editing_reweight_table,
+    "inversion": inversion_table,
 }
 
 

@@ -126,8 +126,9 @@ class ProbeReport:
         return asdict(self)
 
 
-def run_probe(encoder: TextEncoder, test_fraction: float = 0.3, seed: int = 0) -> ProbeReport:
-    """Every probe of the module docstring, trained and tested on disjoint object pairs."""
+def run_probe(encoder: TextEncoder, test_fraction: float = 0.3, seed: int = 0, layout_steps: int = 1500) -> ProbeReport:
+    """Every probe of the module docstring, trained and tested on disjoint object pairs (the layout
+    reader trained for `layout_steps` Adam steps)."""
     start = time.perf_counter()
     torch.manual_seed(seed)
     scenes = pair_captions()
@@ -155,7 +156,7 @@ def run_probe(encoder: TextEncoder, test_fraction: float = 0.3, seed: int = 0) -
                 entry[name] = probe_accuracy(model, x[test], y[test])
                 entry[f"{name} (train)"] = probe_accuracy(model, x[train], y[train])
             report.rows.append(entry)
-    report.rows.append(layout_probe(encoder, scenes, test_pairs))
+    report.rows.append(layout_probe(encoder, scenes, test_pairs, steps=layout_steps))
     report.seconds = time.perf_counter() - start
     return report
 
@@ -232,7 +233,7 @@ def fit_layout_reader(
     return reader
 
 
-def layout_probe(encoder: TextEncoder, scenes, test_pairs: set, batch_size: int = 256) -> dict:
+def layout_probe(encoder: TextEncoder, scenes, test_pairs: set, batch_size: int = 256, steps: int = 1500) -> dict:
     """The layout probe's row: trained on the captions of some object pairs, tested on the others'."""
     table = encoder.model.get_input_embeddings().weight.detach().float()
     captions = [s.caption for s in scenes]
@@ -253,7 +254,7 @@ def layout_probe(encoder: TextEncoder, scenes, test_pairs: set, batch_size: int 
         "chance": float(combos.max() / test.sum()),
     }
     for name, x in (("contextual", contextual), ("input embedding", embedding)):
-        reader = fit_layout_reader(x[~test], real[~test], labels[~test])
+        reader = fit_layout_reader(x[~test], real[~test], labels[~test], steps=steps)
         entry[name] = layout_accuracy(reader, x[test], real[test], labels[test])
         entry[f"{name} (train)"] = layout_accuracy(reader, x[~test], real[~test], labels[~test])
     return entry
