@@ -72,6 +72,7 @@ def main() -> int:
             pixels = pipe.image_processor.preprocess(np.stack(images))
             decoded = pipe.vae.decode(pipe.vae.encode(pixels).latent_dist.mean).sample
         vae_error = np.abs(pipe.image_processor.postprocess(decoded, "np") - np.stack(images)).mean((1, 2, 3))
+        real_right = sum(bool(judge(image, scene).all) for image, (scene, _) in zip(images, pairs)) / len(pairs)
         for name, inner_steps in INVERSIONS.items():
             if any(b["set"] == set_name and b["inversion"] == name for b in data["blocks"]):
                 continue
@@ -108,7 +109,7 @@ def main() -> int:
                 "inversion": name,
                 "inner_steps": inner_steps,
                 "redrawn_right": sum(redrawn_right) / len(redrawn_right),
-                "real_right": sum(bool(judge(im, s).all) for im, (s, _) in zip(images, pairs)) / len(pairs),
+                "real_right": real_right,
                 "redrawn_error": float(np.mean(redrawn_error)),
                 "vae_error": float(vae_error.mean()),
                 "inversion_seconds": seconds / len(pairs),

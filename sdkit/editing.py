@@ -476,7 +476,7 @@ def invert_sd(
             conditional = pipe.unet(current, t, encoder_hidden_states=conditional_embeds).sample
         null = null.detach().to(torch.float32, copy=True).requires_grad_(True)  # float32 whatever the U-Net's dtype
         optimizer = torch.optim.Adam([null], lr=lr)
-        for _ in range(inner_steps):
+        for _ in range(inner_steps if guidance_scale > 1 else 0):  # unguided, the states are not read
             loss = F.mse_loss(guided_step(t, null.to(dtype), conditional).float(), target.float())
             if loss.item() < tolerance:
                 break

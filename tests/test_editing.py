@@ -318,6 +318,19 @@ def test_null_text_inversion_tunes_each_steps_states_and_the_edit_redraws_its_st
         assert error == pytest.approx(inversion.errors[-1], rel=1e-3)
     with pytest.raises(SdkitError, match="made for 'a red cat on a blue chair' at 3 steps and guidance 7.5"):
         edit_sd(pipe, SOURCE, EDITED, num_inference_steps=4, guidance_scale=7.5, inversion=tuned)
+    # unguided there is no unconditional half: the edit is the pipeline's own call from the inverted noise
+    unguided = invert_sd(pipe, image, SOURCE, STEPS, 1.0, progress=False)
+    redrawn = edit_sd(
+        pipe, SOURCE, None, EditSettings(cross_replace=0.0), STEPS, 1.0, output_type="latent", inversion=unguided
+    )
+    own = pipe(
+        [SOURCE, SOURCE],
+        num_inference_steps=STEPS,
+        guidance_scale=1.0,
+        latents=unguided.latents.expand(2, -1, -1, -1).clone(),
+        output_type="latent",
+    ).images
+    assert torch.equal(redrawn, own)
 
 
 def test_null_text_inversion_needs_ddim(tiny_sd):

@@ -446,9 +446,9 @@ def test_15_no_library_lines_on_stderr(micro_minisd, tmp_path):
         )
         for argv in commands
     ]
-    for process in running:
-        _, stderr = process.communicate()
-        assert process.returncode == 0 and stderr == "", stderr
+    finished = [(process.communicate()[1], process.returncode) for process in running]
+    for stderr, returncode in finished:
+        assert returncode == 0 and stderr == "", stderr
 
 
 # --- 16. minor ------------------------------------------------------------------------------------------------------

@@ -261,8 +261,8 @@ def scaled_latents(vae, pixels: torch.Tensor, generator: torch.Generator | None 
 
     The pixels go in channels-last: oneDNN's convolutions then skip a reorder to and from their own
     layout at each layer, and the shipped VAE encodes a training batch 1.3-1.5x faster on 2 CPU
-    cores (scripts/bench_vae_encode.py; the encode is about a quarter of a float32 latent training step). The
-    latents move by 2e-4 RMS, against a posterior deviation of 0.07 on the objects."""
+    cores (scripts/bench_vae_encode.py; the encode is about a quarter of a float32 latent training
+    step). The latents move by 2e-4 RMS, against a posterior deviation of 0.07 on the objects."""
     dist = posterior(vae, pixels)
     latents = dist.mean
     if generator is not None:
