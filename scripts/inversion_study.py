@@ -1,6 +1,8 @@
 """Editing real images, judged: the generator's own renders (images no model drew, whose content the
 answer key knows) inverted into the latent mini SD, a stock StableDiffusionPipeline, by DDIM
-inversion alone and by null-text inversion, then redrawn and colour-swapped with Prompt-to-Prompt.
+inversion alone and by null-text inversion, then redrawn and colour-swapped with Prompt-to-Prompt;
+the null-text inversion's tuned states read by the source branch only (sdkit's default) and by both
+branches (the paper's).
 
     python scripts/inversion_study.py                 # writes weights/minisd/findings/inversion.json
     python scripts/inversion_study.py --count 4 --out out/inversion.json   # a quick look, elsewhere
@@ -8,7 +10,9 @@ inversion alone and by null-text inversion, then redrawn and colour-swapped with
 Per image: the redrawn source judged against its caption and its mean absolute pixel error (beside
 the VAE's own round trip, the floor any inversion in its latent space can reach), and each edit
 judged edited and kept against the real image. Each (set, inversion) block is written as soon as it
-is judged: a stopped run goes on from the blocks its JSON holds.
+is judged: a stopped run goes on from the blocks its JSON holds. The picture (--picture) draws the
+first three pairs under each inversion, inverted again for it, and beside it real-pair.png is the
+third pair's render (the docs edit it with `sdkit minisd edit --image`).
 """
 
 import argparse
@@ -19,7 +23,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-INVERSIONS = {"DDIM inversion": 0, "null-text inversion": 10}  # name -> inner steps tuning the empty prompt
+# name -> (inner steps tuning the empty prompt's states, the branches that read them)
+INVERSIONS = {
+    "DDIM inversion": (0, "source"),
+    "null-text inversion": (10, "source"),
+    "null-text inversion, both branches (the paper's)": (10, "both"),
+}
+PICTURED = 3  # pairs in the picture
 # (label, cross_replace, share_latents): the edited prompt from the inverted start with nothing
 # injected, P2P's default and the pixel mini SD's chosen setting (editing.json)
 SETTINGS = (
@@ -46,6 +56,7 @@ def main() -> int:
     import numpy as np
     import torch
     from diffusers import StableDiffusionPipeline
+    from PIL import Image
     from tqdm.auto import tqdm
 
     from sdkit.common import write_json
@@ -63,7 +74,33 @@ def main() -> int:
     run = {"model": args.model, "count": args.count, "steps": args.steps, "guidance_scale": args.guidance}
     if {k: data.get(k) for k in run} != run:
         data = {**run, "blocks": []}  # blocks of another run's settings are never mixed in
-    pictured = []
+    inversions = {}  # (set, image, inner steps) -> (inversion, seconds): both branch choices read one
+
+    def inverted(set_name, i, scene, image, inner_steps):
+        key = (set_name, i, inner_steps)
+        if key not in inversions:
+            start = time.perf_counter()
+            inversion = invert_sd(
+                pipe, image[None], scene.caption, args.steps, args.guidance, inner_steps, progress=False
+            )
+            inversions[key] = inversion, time.perf_counter() - start
+        return inversions[key]
+
+    def edit(inversion, branches, scene, target, setting):
+        _, cross_replace, share = setting
+        settings = EditSettings(cross_replace=cross_replace, share_latents=share)
+        return edit_sd(
+            pipe,
+            scene.caption,
+            target.caption,
+            settings,
+            args.steps,
+            args.guidance,
+            output_type="np",
+            inversion=inversion,
+            tuned_states_for=branches,
+        )
+
     for kind, set_name in SETS.items():
         pairs = edit_set(kind, args.count, seed=EVAL_SET_SEED)
         # the jitter the training images have, drawn per image: these are renders, not samples
@@ -73,7 +110,7 @@ def main() -> int:
             decoded = pipe.vae.decode(pipe.vae.encode(pixels).latent_dist.mean).sample
         vae_error = np.abs(pipe.image_processor.postprocess(decoded, "np") - np.stack(images)).mean((1, 2, 3))
         real_right = sum(bool(judge(image, scene).all) for image, (scene, _) in zip(images, pairs)) / len(pairs)
-        for name, inner_steps in INVERSIONS.items():
+        for name, (inner_steps, branches) in INVERSIONS.items():
             if any(b["set"] == set_name and b["inversion"] == name for b in data["blocks"]):
                 continue
             judged = {label: [] for label, _, _ in SETTINGS}
@@ -81,26 +118,11 @@ def main() -> int:
             for i, ((scene, target), image) in enumerate(
                 tqdm(list(zip(pairs, images)), desc=f"{set_name}, {name}", leave=False)
             ):
-                start = time.perf_counter()
-                inversion = invert_sd(
-                    pipe, image[None], scene.caption, args.steps, args.guidance, inner_steps, progress=False
-                )
-                seconds += time.perf_counter() - start
-                for label, cross_replace, share in SETTINGS:
-                    settings = EditSettings(cross_replace=cross_replace, share_latents=share)
-                    redrawn, edited = edit_sd(
-                        pipe,
-                        scene.caption,
-                        target.caption,
-                        settings,
-                        args.steps,
-                        args.guidance,
-                        output_type="np",
-                        inversion=inversion,
-                    )
-                    judged[label].append(judge_edit(kind, image, edited, scene, target))
-                    if i < 4 and kind == "colour_pair" and label == SETTINGS[-1][0]:
-                        pictured.append((name, label, image, redrawn, edited, target.caption))
+                inversion, inversion_seconds = inverted(set_name, i, scene, image, inner_steps)
+                seconds += inversion_seconds
+                for setting in SETTINGS:
+                    redrawn, edited = edit(inversion, branches, scene, target, setting)
+                    judged[setting[0]].append(judge_edit(kind, image, edited, scene, target))
                 redrawn_right.append(bool(judge(redrawn, scene).all))
                 redrawn_error.append(float(np.abs(redrawn - image).mean()))
             block = {
@@ -108,6 +130,7 @@ def main() -> int:
                 "edit": kind,
                 "inversion": name,
                 "inner_steps": inner_steps,
+                "tuned_states_for": branches,
                 "redrawn_right": sum(redrawn_right) / len(redrawn_right),
                 "real_right": real_right,
                 "redrawn_error": float(np.mean(redrawn_error)),
@@ -119,6 +142,9 @@ def main() -> int:
                 ],
             }
             data["blocks"].append(block)
+            data["blocks"].sort(
+                key=lambda b: (list(SETS.values()).index(b["set"]), list(INVERSIONS).index(b["inversion"]))
+            )
             write_json(out, data)
             print(
                 f"{set_name:>8} {name:>20}: redrawn right {block['redrawn_right']:.3f} error "
@@ -126,8 +152,18 @@ def main() -> int:
                 + ", ".join(f"{e['setting']} both {e['both']:.3f}" for e in block["edits"]),
                 flush=True,
             )
-    if args.picture and pictured:
+    if args.picture:
+        pairs = edit_set("colour_pair", args.count, seed=EVAL_SET_SEED)  # as judged: the inversions are reused
+        pictured = []
+        for i, (scene, target) in enumerate(pairs[:PICTURED]):
+            image = render(scene, side, rng=random.Random(i)).image
+            for name, (inner_steps, branches) in INVERSIONS.items():
+                inversion, _ = inverted("pairs", i, scene, image, inner_steps)
+                redrawn, edited = edit(inversion, branches, scene, target, SETTINGS[-1])
+                pictured.append((name, SETTINGS[-1][0], image, redrawn, edited, target.caption))
         draw(pictured, args.picture)
+        # the last pictured pair's render, beside the picture: the docs' image for `sdkit minisd edit --image`
+        Image.fromarray((image * 255).round().astype(np.uint8)).save(Path(args.picture).with_name("real-pair.png"))
     return 0
 
 

@@ -431,16 +431,25 @@ def invert_sd(
     tolerance: float = 1e-5,
     progress: bool = True,
 ) -> Inversion:
-    """Null-text inversion of `image` (PIL, array or tensor, as the pipeline's image processor takes;
-    resized to the model's size) under `prompt`, for edits at these steps and guidance. Each step
-    tunes the empty prompt's states (Adam, at most `inner_steps`, stopping below `tolerance`) so that
-    the guided step lands where DDIM inversion says it should; the first step starts from the empty
-    prompt's states, each later one from the step before."""
+    """Null-text inversion of `image` (PIL, an array in [0, 1] or uint8, or a tensor, as the
+    pipeline's image processor takes; resized to the model's size) under `prompt`, for edits at
+    these steps and guidance. Each step tunes the empty prompt's states (Adam, at most
+    `inner_steps`, stopping below `tolerance`) so that the guided step lands where DDIM inversion
+    says it should; the first step starts from the empty prompt's states, each later one from the
+    step before."""
+    import numpy as np
     import torch.nn.functional as F
     from diffusers import DDIMInverseScheduler
     from tqdm.auto import tqdm
 
     _check_ddim(pipe)
+    if isinstance(image, np.ndarray):  # the image processor reads an array as floats in [0, 1], whatever its type
+        if image.dtype == np.uint8:
+            image = image.astype(np.float32) / 255
+        elif image.size and not 0 <= image.min() <= image.max() <= 1:
+            raise SdkitError(
+                f"an image array holds pixels in [0, 1] (or uint8), not [{image.min():g}, {image.max():g}]"
+            )
     device, dtype = pipe.device, pipe.unet.dtype
     height = width = pipe.unet.config.sample_size * pipe.vae_scale_factor
     pixels = pipe.image_processor.preprocess(image, height=height, width=width).to(device, pipe.vae.dtype)
@@ -503,13 +512,18 @@ def edit_sd(
     seed: int = 0,
     output_type: str = "pil",
     inversion: Inversion | None = None,
+    tuned_states_for: str = "source",
 ):
     """Prompt-to-Prompt on a stock diffusers StableDiffusionPipeline: the source and the edited
     prompt (the source itself when None: a reweight alone) in one batch from the same noise, the
     pipeline's own sampling loop. Returns the pipeline's images, [source, edited]. With an
     `inversion` (of a real image, by `invert_sd` under the source prompt at these steps and
-    guidance), both branches start from its noise and read its unconditional states: the source is
-    the image redrawn, and `seed` is not used."""
+    guidance), both branches start from its noise, `seed` is not used, and the source branch reads
+    its tuned unconditional states: the source is the image redrawn. The edited branch reads the
+    empty prompt's, as any sampling does (`tuned_states_for="source"`), or the tuned ones too, as
+    the paper does (`"both"`): fitted to redraw the source, colours included, they hold the edited
+    branch to the source (on the latent mini SD, colour swaps of single objects 56 % edited and kept
+    where the source branch alone reads them: docs/commands/editing.md)."""
     settings = settings or EditSettings()
     edited = source if edited is None else edited
     ids = [prompt_ids(pipe.tokenizer, prompt) for prompt in (source, edited)]
@@ -526,20 +540,24 @@ def edit_sd(
                 f"the inversion was made for {made[0]!r} at {made[1]} steps and guidance {made[2]:g}; "
                 f"edit that prompt at the same, not {source!r} at {num_inference_steps} and {guidance_scale:g}"
             )
+        if tuned_states_for not in ("source", "both"):
+            raise SdkitError(f"tuned_states_for is 'source' or 'both', not {tuned_states_for!r}")
         _check_ddim(pipe)
         noise = inversion.latents.to(pipe.device, pipe.unet.dtype)
         nulls = inversion.null_embeds.to(pipe.device, pipe.unet.dtype)
+        tuned_rows = 2 if tuned_states_for == "both" else 1  # rows: source's, edited's unconditional
 
         def next_null(_pipe, step, _timestep, tensors):
             if step + 1 == len(nulls):
                 return {}
             embeds = tensors["prompt_embeds"].clone()  # (unconditional, conditional) halves
-            embeds[:2] = nulls[step + 1]
+            embeds[:tuned_rows] = nulls[step + 1]
             return {"prompt_embeds": embeds}
 
         if guidance_scale > 1:  # without guidance there is no unconditional half to feed
+            _, empty = pipe.encode_prompt("", pipe.device, 1, True, "")
             inverted = {
-                "negative_prompt_embeds": nulls[0].expand(2, *nulls.shape[1:]),
+                "negative_prompt_embeds": torch.cat([nulls[:1], nulls[:1] if tuned_rows == 2 else empty.to(nulls)]),
                 "callback_on_step_end": next_null,
                 "callback_on_step_end_tensor_inputs": ["prompt_embeds"],
             }

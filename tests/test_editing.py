@@ -316,6 +316,21 @@ def test_null_text_inversion_tunes_each_steps_states_and_the_edit_redraws_its_st
         )
         error = torch.nn.functional.mse_loss(redrawn[0], start[0]).item()
         assert error == pytest.approx(inversion.errors[-1], rel=1e-3)
+    # the edited branch reads the empty prompt's states: with nothing injected it is the pipeline's
+    # own call from the inverted noise; reading the tuned ones too (the paper's), it is the source
+    nothing = EditSettings(cross_replace=0.0)
+    redrawn = edit_sd(pipe, SOURCE, None, nothing, STEPS, output_type="latent", inversion=tuned)
+    own = pipe(
+        [SOURCE, SOURCE],
+        num_inference_steps=STEPS,
+        latents=tuned.latents.expand(2, -1, -1, -1).clone(),
+        output_type="latent",
+    ).images
+    assert torch.equal(redrawn[1], own[1]) and not torch.equal(redrawn[1], redrawn[0])
+    both = edit_sd(pipe, SOURCE, None, nothing, STEPS, output_type="latent", inversion=tuned, tuned_states_for="both")
+    assert torch.equal(both[1], both[0]) and torch.equal(both[0], redrawn[0])
+    with pytest.raises(SdkitError, match="tuned_states_for is 'source' or 'both', not 'edited'"):
+        edit_sd(pipe, SOURCE, None, nothing, STEPS, inversion=tuned, tuned_states_for="edited")
     with pytest.raises(SdkitError, match="made for 'a red cat on a blue chair' at 3 steps and guidance 7.5"):
         edit_sd(pipe, SOURCE, EDITED, num_inference_steps=4, guidance_scale=7.5, inversion=tuned)
     # unguided there is no unconditional half: the edit is the pipeline's own call from the inverted noise
@@ -331,6 +346,19 @@ def test_null_text_inversion_tunes_each_steps_states_and_the_edit_redraws_its_st
         output_type="latent",
     ).images
     assert torch.equal(redrawn, own)
+
+
+def test_an_inversion_reads_a_uint8_array_as_its_image_and_refuses_pixels_out_of_range(pipe):
+    """The image processor reads any array as floats in [0, 1]: a uint8 array would be 255 times too
+    bright, silently. It is read as the same pixels in a PIL image are."""
+    from PIL import Image
+
+    pixels = (plain(pipe, [SOURCE, SOURCE])[0] * 255).round().astype(np.uint8)
+    from_array = invert_sd(pipe, pixels, SOURCE, STEPS, inner_steps=0, progress=False)
+    from_pil = invert_sd(pipe, Image.fromarray(pixels), SOURCE, STEPS, inner_steps=0, progress=False)
+    assert torch.allclose(from_array.latents, from_pil.latents, atol=1e-5)  # the processor resizes arrays, to the same size
+    with pytest.raises(SdkitError, match=r"pixels in \[0, 1\] \(or uint8\), not \[0, 2"):
+        invert_sd(pipe, pixels.astype(np.float32) / 127.5, SOURCE, STEPS, progress=False)
 
 
 def test_null_text_inversion_needs_ddim(tiny_sd):

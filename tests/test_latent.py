@@ -302,6 +302,48 @@ def test_the_minisd_commands_take_a_latent_model(cli, latent_minisd, tmp_path):
     assert results["judge, VAE round trips"]["pairs"]["all"] >= 0 and "untrained" in results
 
 
+def test_the_edit_command_edits_a_real_image_on_a_latent_model(cli, latent_minisd, micro_minisd, tmp_path):
+    """--image: the image inverted (null-text) into the stock pipeline, redrawn, regenerated and
+    edited; its JSON's last inversion error is the library's own inversion's. Random weights: the
+    mechanics, not what a model does. What it cannot read is one error line."""
+    from PIL import Image
+
+    from sdkit.editing import EditSettings, edit_sd, invert_sd
+    from sdkit.minisd.data import parse_caption, render
+
+    prompt, edited = "a red circle to the left of a blue square", "a green circle to the left of a blue square"
+    real = render(parse_caption(prompt), 32).image
+    Image.fromarray((real * 255).round().astype(np.uint8)).save(tmp_path / "real.png")
+    real = np.asarray(Image.open(tmp_path / "real.png"), dtype=np.float32) / 255  # as the file holds it
+    run = ("minisd", "edit", prompt, "--to", edited, "--model", latent_minisd, "--steps", "2")
+    code, out, err = cli(*run, "--image", tmp_path / "real.png", "--out", tmp_path / "e.png", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert (tmp_path / "e.png").is_file() and result["tuned_states_for"] == "source" and "seeds" not in result
+    stock = MiniSDPipeline.from_pretrained(latent_minisd).stock_pipeline()
+    inversion = invert_sd(stock, Image.open(tmp_path / "real.png"), prompt, 2, result["guidance_scale"], progress=False)
+    assert result["inversion_error"] == pytest.approx(inversion.errors[-1], rel=1e-5)
+    redrawn = edit_sd(stock, prompt, edited, EditSettings(cross_replace=0.0), 2, result["guidance_scale"],
+                      output_type="np", inversion=inversion)[0]  # fmt: skip
+    assert result["redrawn_error"] == pytest.approx(float(np.abs(redrawn - real).mean()), rel=1e-4)
+    (tmp_path / "not.png").write_text("not an image")
+    pixel_folder, encoder = micro_minisd
+    for extra, message in (
+        (("--image", tmp_path / "none.png"), "none.png: no such file or folder (--image)"),
+        (("--image", tmp_path / "not.png"), "not.png: not an image (--image)"),
+        (("--image", tmp_path / "real.png", "--seeds", "2"), "--seeds does not apply with --image"),
+        (("--tuned-states-for", "both"), "--tuned-states-for does not apply without --image"),
+    ):
+        code, _, err = cli(*run, *extra, "--out", tmp_path / "x.png")
+        assert code == 2 and message in err, err
+    code, _, err = cli(
+        "minisd", "edit", prompt, "--to", edited, "--model", pixel_folder, "--text-encoder", encoder,
+        "--image", tmp_path / "real.png", "--out", tmp_path / "x.png",
+    )  # fmt: skip
+    assert code == 2 and "denoises pixels; a real image is inverted into a latent mini SD" in err, err
+    assert not (tmp_path / "x.png").exists()
+
+
 def test_a_mini_sd_samples_at_its_own_guidance_unless_told(cli, latent_minisd, micro_minisd, tmp_path):
     """Pixels at 4, latents at 2 (SAMPLING_GUIDANCE): the library's calls and the commands alike,
     with the scale used recorded; a scale given is the scale used."""

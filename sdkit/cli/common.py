@@ -352,6 +352,7 @@ INPUT_FLAGS = (
     "minisd",
     "vae",
     "start_from",
+    "image",
 )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 from dataclasses import asdict, replace
 
 from ..common import MAPS_FOLDER, MODEL_FOLDER, SdkitError, check_output_folder
@@ -422,6 +423,9 @@ def cmd_minisd_edit(args) -> None:
     edited_prompt = args.to if args.to is not None else args.prompt
     if args.to is None and not args.reweight:
         raise SdkitError("give the edited prompt (--to) or a reweight (--reweight WORD=FACTOR), or both")
+    if args.image:
+        return _edit_real_image(args, settings, edited_prompt)
+    refuse_options(args, ("tuned_states_for",), "without --image")
     pipe = _pipeline(args)
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     sources, edits = [args.prompt] * len(seeds), [edited_prompt] * len(seeds)
@@ -432,27 +436,106 @@ def cmd_minisd_edit(args) -> None:
         )
         _, edited = edit_images(pipe, sources, edits, settings, seeds, args.steps, args.guidance, progress=bar)
     title = f"{_model_name(args.model, pipe)}: Prompt-to-Prompt, {settings.title()} (DDIM {args.steps} steps, guidance {args.guidance:g})"
-    draw_edits(source_images, plain, edited, args.prompt, edited_prompt, seeds, args.out, title)
+    columns = [(source_images, f"source: {args.prompt}"), (plain, f"regenerated: {edited_prompt}")]
+    draw_edits([*columns, (edited, f"edited: {edited_prompt}")], [f"seed {s}" for s in seeds], args.out, title)
+    show_result(
+        args,
+        {"seeds": seeds, **_edit_summary(args, settings, edited_prompt)},
+        f"wrote {args.out}: {len(seeds)} seeds of source, regenerated and edited ({settings.title()})",
+    )
+
+
+def _edit_summary(args, settings, edited_prompt: str) -> dict:
+    """What an edit ran with, as its JSON says it."""
+    return {
+        "model": args.model,
+        "prompt": args.prompt,
+        "edited_prompt": edited_prompt,
+        "cross_replace": settings.cross_replace,
+        "self_replace": settings.self_replace,
+        "reweight": settings.reweight,
+        "local_blend": settings.local_blend,
+        "blend_threshold": settings.blend_threshold if settings.local_blend else None,
+        "source_states": settings.source_states,
+        "unconditional": settings.unconditional,
+        "share_latents": settings.share_latents,
+        "steps": args.steps,
+        "guidance_scale": args.guidance,
+        "picture": args.out,
+    }
+
+
+def _edit_real_image(args, settings, edited_prompt: str) -> None:
+    """--image: a real image, inverted (null-text) under the prompt into a latent mini SD's stock
+    StableDiffusionPipeline, redrawn, regenerated from the inverted start and edited."""
+    import numpy as np
+
+    from ..editing import EditSettings, edit_sd, invert_sd
+    from ..minisd.edit import draw_edits
+
+    refuse_options(args, ("seeds", "first_seed"), "with --image (the image's inversion is the start)")
+    check_input(args.image, "--image")
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(args.image) as opened:
+            image = np.asarray(opened.convert("RGB"), dtype=np.float32) / 255  # as the image processor reads arrays
+    except (OSError, UnidentifiedImageError) as error:
+        raise SdkitError(f"{args.image}: not an image (--image): {error}") from None
+    pipe = _pipeline(args)
+    if pipe.spec.space != "latents":
+        raise SdkitError(
+            f"{args.model} denoises pixels; a real image is inverted into a latent mini SD (a stock "
+            "StableDiffusionPipeline, e.g. weights/minisd-latent)"
+        )
+    stock = pipe.stock_pipeline()
+    stock.set_progress_bar_config(disable=True)
+    phase(f"null-text inversion of {args.image} ({args.steps} steps)")
+    inversion = invert_sd(stock, image, args.prompt, args.steps, args.guidance, progress=sys.stderr.isatty())
+    edits = {}
+    with progress_bar(args, total=2, desc="editing", unit="edit") as bar:
+        for name, edit_settings in (("regenerated", EditSettings(cross_replace=0.0)), ("edited", settings)):
+            edits[name] = edit_sd(
+                stock,
+                args.prompt,
+                edited_prompt,
+                edit_settings,
+                args.steps,
+                args.guidance,
+                output_type="np",
+                inversion=inversion,
+                tuned_states_for=args.tuned_states_for,
+            )
+            bar.update()
+    redrawn, regenerated = edits["regenerated"]
+    side = stock.unet.config.sample_size * stock.vae_scale_factor
+    real = stock.image_processor.postprocess(stock.image_processor.preprocess(image, side, side), "np")[
+        0
+    ]  # as inverted
+    title = (
+        f"{_model_name(args.model, pipe)}: null-text inversion (tuned states read by the "
+        f"{'source branch' if args.tuned_states_for == 'source' else 'both branches'}), then Prompt-to-Prompt, "
+        f"{settings.title()} (DDIM {args.steps} steps, guidance {args.guidance:g})"
+    )
+    columns = [
+        ([real], f"real: {args.image}"),
+        ([redrawn], f"redrawn: {args.prompt}"),
+        ([regenerated], f"regenerated: {edited_prompt}"),
+        ([edits["edited"][1]], f"edited: {edited_prompt}"),
+    ]
+    draw_edits(columns, [f"{side}x{side}"], args.out, title)
+    redrawn_error = float(np.abs(redrawn - real).mean())
     show_result(
         args,
         {
-            "model": args.model,
-            "prompt": args.prompt,
-            "edited_prompt": edited_prompt,
-            "seeds": seeds,
-            "cross_replace": settings.cross_replace,
-            "self_replace": settings.self_replace,
-            "reweight": settings.reweight,
-            "local_blend": settings.local_blend,
-            "blend_threshold": settings.blend_threshold if settings.local_blend else None,
-            "source_states": settings.source_states,
-            "unconditional": settings.unconditional,
-            "share_latents": settings.share_latents,
-            "steps": args.steps,
-            "guidance_scale": args.guidance,
-            "picture": args.out,
+            "image": args.image,
+            "tuned_states_for": args.tuned_states_for,
+            "inversion_error": inversion.errors[-1],
+            "redrawn_error": redrawn_error,
+            **_edit_summary(args, settings, edited_prompt),
         },
-        f"wrote {args.out}: {len(seeds)} seeds of source, regenerated and edited ({settings.title()})",
+        f"wrote {args.out}: {args.image} redrawn (mean absolute pixel error {redrawn_error:.4f}), regenerated and "
+        f"edited ({settings.title()})",
     )
 
 
@@ -761,6 +844,17 @@ def register(sub) -> None:
         "--seeds", type=at_most(256, "a picture holds 256 rows"), default=4, help="edits (seeds first-seed, +1, ...)"
     )
     q.add_argument("--first-seed", type=seed, default=0, help="seed of the first edit")
+    q.add_argument(
+        "--image",
+        metavar="PNG",
+        help="edit this real image instead (a latent mini SD): null-text inversion under the prompt, its caption",
+    )
+    q.add_argument(
+        "--tuned-states-for",
+        choices=("source", "both"),
+        default="source",
+        help="--image: the branches that read the inversion's tuned unconditional states (both: the paper's)",
+    )
     q.add_argument("--out", default="minisd-edit.png", help="the PNG: source, regenerated and edited per seed")
     q.add_argument("--model", default="weights/minisd", help="a mini SD folder")
     q.add_argument("--guidance", type=guidance_scale, help=GUIDANCE_HELP)

@@ -210,9 +210,9 @@ def study_row(
     }
 
 
-def draw_edits(sources, plain, edited, source_prompt: str, edited_prompt: str, seeds: list[int], path, title: str):
-    """A PNG: a row per seed, with the source, the edited prompt regenerated from the same seed,
-    and the Prompt-to-Prompt edit side by side."""
+def draw_edits(columns: list[tuple[list, str]], rows: list[str], path, title: str):
+    """A PNG: a row per seed (or image), with a column per (images, label): the source, the edited
+    prompt regenerated from the same start, and the Prompt-to-Prompt edit, side by side."""
     import textwrap
 
     import matplotlib
@@ -222,19 +222,19 @@ def draw_edits(sources, plain, edited, source_prompt: str, edited_prompt: str, s
 
     from ..common import save_figure
 
-    columns = (
-        (sources, f"source: {source_prompt}"),
-        (plain, f"regenerated: {edited_prompt}"),
-        (edited, f"edited: {edited_prompt}"),
-    )
     fig, axes = plt.subplots(
-        len(seeds), 3, figsize=(6.3, 2.1 * len(seeds) + 0.6), dpi=110, squeeze=False, layout="constrained"
+        len(rows),
+        len(columns),
+        figsize=(2.1 * len(columns), 2.1 * len(rows) + 0.6),
+        dpi=110,
+        squeeze=False,
+        layout="constrained",
     )
-    for row, seed in enumerate(seeds):
+    for row, name in enumerate(rows):
         for column, (images, label) in enumerate(columns):
             ax = axes[row, column]
             ax.imshow(images[row], interpolation="nearest")
-            ax.set_title(textwrap.fill(f"{label}\nseed {seed}" if row == 0 else f"seed {seed}", 34), fontsize=6.5)
+            ax.set_title(textwrap.fill(f"{label}\n{name}" if row == 0 else name, 34), fontsize=6.5)
             ax.axis("off")
-    fig.suptitle(textwrap.fill(title, 90), fontsize=8)
+    fig.suptitle(textwrap.fill(title, 30 * len(columns)), fontsize=8)
     save_figure(fig, path)
