@@ -429,14 +429,15 @@ def invert_sd(
     inner_steps: int = 10,
     lr: float = 1e-2,
     tolerance: float = 1e-5,
-    progress: bool = True,
+    progress=True,
 ) -> Inversion:
     """Null-text inversion of `image` (PIL, an array in [0, 1] or uint8, or a tensor, as the
     pipeline's image processor takes; resized to the model's size) under `prompt`, for edits at
     these steps and guidance. Each step tunes the empty prompt's states (Adam, at most
     `inner_steps`, stopping below `tolerance`) so that the guided step lands where DDIM inversion
     says it should; the first step starts from the empty prompt's states, each later one from the
-    step before."""
+    step before. `progress`: a bar of its own (True), none (False), or a caller's tqdm to move on
+    by 2 * num_inference_steps."""
     import numpy as np
     import torch.nn.functional as F
     from diffusers import DDIMInverseScheduler
@@ -464,7 +465,12 @@ def invert_sd(
     inverse.set_timesteps(num_inference_steps, device=device)
     if not torch.equal(inverse.timesteps.flip(0).cpu(), scheduler.timesteps.cpu()):
         raise SdkitError("the scheduler's inverse does not retrace its timesteps; use DDIM with its own spacing")
-    bar = tqdm(total=2 * num_inference_steps, desc="null-text inversion", disable=not progress, leave=False)
+    own_bar = isinstance(progress, bool)
+    bar = (
+        tqdm(total=2 * num_inference_steps, desc="null-text inversion", disable=not progress, leave=False)
+        if own_bar
+        else progress
+    )
     trajectory = [latents]  # DDIM inversion at guidance 1: from the image to the noise
     with torch.no_grad():
         for t in inverse.timesteps:
@@ -498,7 +504,8 @@ def invert_sd(
         nulls.append(null[0])
         errors.append(F.mse_loss(current.float(), target.float()).item())
         bar.update()
-    bar.close()
+    if own_bar:
+        bar.close()
     return Inversion(prompt, trajectory[0], torch.stack(nulls), num_inference_steps, guidance_scale, errors)
 
 

@@ -1,6 +1,8 @@
 """Prompt-to-Prompt on a stock diffusers SD pipeline: the exactness the method promises, on the tiny
 random pipeline (random weights: these test the mechanics, not what an edit does to a picture)."""
 
+import types
+
 import numpy as np
 import pytest
 import torch
@@ -355,8 +357,13 @@ def test_an_inversion_reads_a_uint8_array_as_its_image_and_refuses_pixels_out_of
 
     pixels = (plain(pipe, [SOURCE, SOURCE])[0] * 255).round().astype(np.uint8)
     from_array = invert_sd(pipe, pixels, SOURCE, STEPS, inner_steps=0, progress=False)
-    from_pil = invert_sd(pipe, Image.fromarray(pixels), SOURCE, STEPS, inner_steps=0, progress=False)
-    assert torch.allclose(from_array.latents, from_pil.latents, atol=1e-5)  # the processor resizes arrays, to the same size
+    bar = types.SimpleNamespace(n=0)
+    bar.update = lambda count=1: setattr(bar, "n", bar.n + count)  # a caller's bar: moved on, not closed
+    from_pil = invert_sd(pipe, Image.fromarray(pixels), SOURCE, STEPS, inner_steps=0, progress=bar)
+    assert bar.n == 2 * STEPS
+    assert torch.allclose(
+        from_array.latents, from_pil.latents, atol=1e-5
+    )  # the processor resizes arrays, to the same size
     with pytest.raises(SdkitError, match=r"pixels in \[0, 1\] \(or uint8\), not \[0, 2"):
         invert_sd(pipe, pixels.astype(np.float32) / 127.5, SOURCE, STEPS, progress=False)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 from dataclasses import asdict, replace
 
 from ..common import MAPS_FOLDER, MODEL_FOLDER, SdkitError, check_output_folder
@@ -490,8 +489,8 @@ def _edit_real_image(args, settings, edited_prompt: str) -> None:
         )
     stock = pipe.stock_pipeline()
     stock.set_progress_bar_config(disable=True)
-    phase(f"null-text inversion of {args.image} ({args.steps} steps)")
-    inversion = invert_sd(stock, image, args.prompt, args.steps, args.guidance, progress=sys.stderr.isatty())
+    with progress_bar(args, total=2 * args.steps, desc=f"null-text inversion of {args.image}", unit="step") as bar:
+        inversion = invert_sd(stock, image, args.prompt, args.steps, args.guidance, progress=bar)
     edits = {}
     with progress_bar(args, total=2, desc="editing", unit="edit") as bar:
         for name, edit_settings in (("regenerated", EditSettings(cross_replace=0.0)), ("edited", settings)):
