@@ -845,7 +845,7 @@ def register(sub) -> None:
     q.add_argument("--first-seed", type=seed, default=0, help="seed of the first edit")
     q.add_argument(
         "--image",
-        metavar="PNG",
+        metavar="IMAGE",
         help="edit this real image instead (a latent mini SD): null-text inversion under the prompt, its caption",
     )
     q.add_argument(
