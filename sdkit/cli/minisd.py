@@ -474,12 +474,12 @@ def _edit_real_image(args, settings, edited_prompt: str) -> None:
 
     refuse_options(args, ("seeds", "first_seed"), "with --image (the image's inversion is the start)")
     check_input(args.image, "--image")
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image
 
     try:
         with Image.open(args.image) as opened:
             image = np.asarray(opened.convert("RGB"), dtype=np.float32) / 255  # as the image processor reads arrays
-    except (OSError, UnidentifiedImageError) as error:
+    except OSError as error:  # PIL's UnidentifiedImageError is one
         raise SdkitError(f"{args.image}: not an image (--image): {error}") from None
     pipe = _pipeline(args)
     if pipe.spec.space != "latents":
