@@ -11,6 +11,7 @@ import argparse
 import json
 import math
 import sys
+import textwrap
 
 from ..common import SdkitError, check_output, check_output_folder, write_json
 from ..minisd import SAMPLING_GUIDANCE
@@ -54,6 +55,10 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
         if isinstance(action.default, (list, tuple)):
             return f"{text} (default: {','.join(str(v) for v in action.default)})"
         return super()._get_help_string(action)
+
+    def _split_lines(self, text, width):
+        # argparse wraps at hyphens too, which splits file names and options ("minisd-" / "edit.png")
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
 class Parser(argparse.ArgumentParser):

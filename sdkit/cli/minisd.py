@@ -854,7 +854,12 @@ def register(sub) -> None:
         default="source",
         help="--image: the branches that read the inversion's tuned unconditional states (both: the paper's)",
     )
-    q.add_argument("--out", default="minisd-edit.png", help="the PNG: source, regenerated and edited per seed")
+    q.add_argument(
+        "--out",
+        default="minisd-edit.png",
+        help="the PNG: a row per seed of source, regenerated and edited (--image: one row, the image as "
+        "inverted, redrawn, regenerated, edited)",
+    )
     q.add_argument("--model", default="weights/minisd", help="a mini SD folder")
     q.add_argument("--guidance", type=guidance_scale, help=GUIDANCE_HELP)
     q.add_argument("--steps", type=positive_int, default=25, help="sampling steps")
